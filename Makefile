@@ -1,0 +1,39 @@
+# The two commands a fresh clone needs: `make demo` (the main job on embedded defaults) and
+# `make test` (the whole suite). Both create .venv with Python 3.12 when it is missing.
+PYTHON ?= $(shell ./.ci/find-python)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test check lint format typecheck bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/relayr demo
+
+check: lint typecheck
+
+lint: $(STAMP)
+	$(BIN)/ruff check relayr tasks rules tests bench
+	$(BIN)/ruff format --check relayr tasks rules tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format relayr tasks rules tests bench
+	$(BIN)/ruff check --fix relayr tasks rules tests bench
+
+test: check
+	$(BIN)/pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.end_to_end
+
+clean:
+	rm -rf $(VENV) .relayr .pytest_cache .mypy_cache .ruff_cache
