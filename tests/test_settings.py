@@ -1,0 +1,175 @@
+from pathlib import Path
+
+import pytest
+
+from relayr.errors import InvalidSettings
+from relayr.settings import Settings
+
+EVERY_VARIABLE = {
+    "RELAYR_HOME": "/srv/relayr",
+    "RELAYR_BROKER_URL": "redis://127.0.0.1:6379/3",
+    "RELAYR_DATABASE_URL": "postgresql+asyncpg://relayr@db:5432/relayr",
+    "RELAYR_APP": "myapp.rules:build",
+    "RELAYR_ALLOWLIST": "/etc/relayr/allowlist.toml",
+    "RELAYR_LOG_FORMAT": "json",
+    "RELAYR_QUEUE": "runs.fast",
+    "RELAYR_LEASE_TTL_S": "12.5",
+    "RELAYR_VISIBILITY_TIMEOUT_S": "900",
+    "RELAYR_SOFT_TIME_LIMIT_S": "60",
+    "RELAYR_TIME_LIMIT_S": "90",
+    "RELAYR_MAX_REDELIVERIES": "5",
+    "RELAYR_TURN_GRACE_S": "15",
+    "RELAYR_DISPATCH_INTERVAL_S": "0.25",
+    "RELAYR_REQUEUE_AFTER_S": "120",
+}
+
+
+def test_defaults_need_no_server() -> None:
+    settings = Settings.from_env({})
+
+    assert settings.home == Path(".relayr")
+    assert settings.broker_url == "filesystem://"
+    assert settings.database_url == f"sqlite+aiosqlite:///{Path('.relayr').absolute()}/relayr.db"
+    assert settings.database_url.startswith("sqlite+aiosqlite:////")
+    assert settings.app == "rules.example:create_app"
+    assert settings.allowlist == Path("rules/allowlist.toml")
+    assert settings.log_format == "console"
+    assert settings.queue == "relayr.runs"
+    assert settings.soft_time_limit_s < settings.time_limit_s < settings.visibility_timeout_s
+    assert settings.lease_ttl_s == 30
+    assert settings.max_redeliveries == 3
+    assert settings.requeue_after_s > settings.dispatch_interval_s
+
+
+def test_every_variable_is_read() -> None:
+    settings = Settings.from_env(EVERY_VARIABLE)
+
+    assert settings == Settings(
+        home=Path("/srv/relayr"),
+        broker_url="redis://127.0.0.1:6379/3",
+        database_url="postgresql+asyncpg://relayr@db:5432/relayr",
+        app="myapp.rules:build",
+        allowlist=Path("/etc/relayr/allowlist.toml"),
+        log_format="json",
+        queue="runs.fast",
+        lease_ttl_s=12.5,
+        visibility_timeout_s=900,
+        soft_time_limit_s=60,
+        time_limit_s=90,
+        max_redeliveries=5,
+        turn_grace_s=15,
+        dispatch_interval_s=0.25,
+        requeue_after_s=120,
+    )
+
+
+def test_the_database_follows_home_unless_named() -> None:
+    settings = Settings.from_env({"RELAYR_HOME": "/tmp/elsewhere"})
+
+    assert settings.database_url == "sqlite+aiosqlite:////tmp/elsewhere/relayr.db"
+
+
+def test_empty_variables_take_their_defaults() -> None:
+    assert Settings.from_env({"RELAYR_QUEUE": "", "RELAYR_LEASE_TTL_S": "  "}) == Settings()
+
+
+def test_other_variables_are_ignored() -> None:
+    assert Settings.from_env({"RELAYR": "x", "RELAYR_UNKNOWN": "y", "HOME": "/root"}) == Settings()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("RELAYR_LEASE_TTL_S", "soon", "RELAYR_LEASE_TTL_S='soon' is invalid: expected a number"),
+        ("RELAYR_LEASE_TTL_S", "0", "RELAYR_LEASE_TTL_S=0.0 is invalid: it must be above 0"),
+        ("RELAYR_LEASE_TTL_S", "nan", "RELAYR_LEASE_TTL_S='nan' is invalid: expected a finite"),
+        ("RELAYR_REQUEUE_AFTER_S", "-1", "RELAYR_REQUEUE_AFTER_S=-1.0 is invalid"),
+        ("RELAYR_DISPATCH_INTERVAL_S", "0", "RELAYR_DISPATCH_INTERVAL_S=0.0 is invalid"),
+        ("RELAYR_MAX_REDELIVERIES", "2.5", "RELAYR_MAX_REDELIVERIES='2.5' is invalid: expected a"),
+        ("RELAYR_MAX_REDELIVERIES", "-1", "RELAYR_MAX_REDELIVERIES=-1 is invalid: it cannot be"),
+        ("RELAYR_TURN_GRACE_S", "-5", "RELAYR_TURN_GRACE_S=-5.0 is invalid: it cannot be"),
+        ("RELAYR_LOG_FORMAT", "xml", "RELAYR_LOG_FORMAT='xml' is invalid: use json or console"),
+        ("RELAYR_DATABASE_URL", "mysql://db/relayr", "RELAYR_DATABASE_URL='mysql://db/relayr'"),
+        ("RELAYR_DATABASE_URL", "sqlite:///relayr.db", "RELAYR_DATABASE_URL='sqlite:///relayr"),
+        ("RELAYR_BROKER_URL", "amqp://rabbit", "RELAYR_BROKER_URL='amqp://rabbit' is invalid"),
+        ("RELAYR_APP", "rules.example", "RELAYR_APP='rules.example' is invalid"),
+        ("RELAYR_APP", ":create_app", "RELAYR_APP=':create_app' is invalid"),
+    ],
+)
+def test_invalid_values_are_named(variable: str, value: str, message: str) -> None:
+    with pytest.raises(InvalidSettings) as refused:
+        Settings.from_env({variable: value})
+
+    assert refused.value.message.startswith(message)
+    assert refused.value.code == "invalid_settings"
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "visibility"),
+    [
+        ("60", "60", "900"),  # soft == hard
+        ("90", "60", "900"),  # soft > hard
+        ("60", "900", "900"),  # hard == visibility
+        ("60", "1000", "900"),  # hard > visibility
+        ("1000", "2000", "900"),  # both above visibility
+    ],
+)
+def test_time_limits_must_be_ordered(soft: str, hard: str, visibility: str) -> None:
+    environ = {
+        "RELAYR_SOFT_TIME_LIMIT_S": soft,
+        "RELAYR_TIME_LIMIT_S": hard,
+        "RELAYR_VISIBILITY_TIMEOUT_S": visibility,
+    }
+
+    with pytest.raises(InvalidSettings, match="time limits are out of order") as refused:
+        Settings.from_env(environ)
+
+    for variable in environ:
+        assert variable in refused.value.message
+
+
+def test_the_ordering_invariant_holds_for_a_short_visibility_timeout() -> None:
+    settings = Settings.from_env(
+        {
+            "RELAYR_SOFT_TIME_LIMIT_S": "5",
+            "RELAYR_TIME_LIMIT_S": "8",
+            "RELAYR_VISIBILITY_TIMEOUT_S": "10",
+        }
+    )
+
+    assert (settings.soft_time_limit_s, settings.time_limit_s) == (5, 8)
+
+
+def test_settings_are_frozen() -> None:
+    settings = Settings()
+
+    with pytest.raises(AttributeError):
+        settings.queue = "other"  # type: ignore[misc]
+
+
+def test_redis_transport_options_carry_the_visibility_timeout() -> None:
+    settings = Settings.from_env(
+        {"RELAYR_BROKER_URL": "redis://127.0.0.1:6379/0", "RELAYR_VISIBILITY_TIMEOUT_S": "900"}
+    )
+
+    assert settings.broker_transport_options() == {"visibility_timeout": 900}
+
+
+def test_filesystem_transport_options_create_the_folders(tmp_path: Path) -> None:
+    settings = Settings.from_env({"RELAYR_HOME": str(tmp_path / "home")})
+
+    options = settings.broker_transport_options()
+
+    broker = tmp_path / "home" / "broker"
+    assert options == {
+        "data_folder_in": str(broker / "queue"),
+        "data_folder_out": str(broker / "queue"),
+        "processed_folder": str(broker / "processed"),
+        "control_folder": str(broker / "control"),
+    }
+    assert all(Path(folder).is_dir() for folder in options.values())
+    assert settings.broker_transport_options() == options  # again: the folders exist
+
+
+def test_memory_transport_needs_no_options() -> None:
+    assert Settings(broker_url="memory://").broker_transport_options() == {}
