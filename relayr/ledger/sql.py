@@ -1,0 +1,261 @@
+"""The SQL ledger: the contract of :mod:`relayr.ledger.port` in SQLite or PostgreSQL.
+
+Every call is one short transaction, because the ledger sits on the path of every write a run
+makes. The first cause under a key is kept by the database, not by a read before the write:
+``INSERT ... ON CONFLICT DO NOTHING RETURNING`` stores the cause unless one is there, and only
+when it was there does a ``SELECT`` in the same transaction read the one kept, so concurrent
+contenders, in this process or others, all get the same answer. Emission records are stored as
+the JSON they were validated into, unique per (workspace, run, attempt, message), and validated
+again when read, so a record changed in storage is refused rather than returned.
+
+The ledger's two tables (``relayr_causes``, ``relayr_emissions``) are created when missing, once
+per ledger, by :func:`migrate`; processes that start together may race to create them, and the
+loser finds them made. The engine is usually shared with artifactr and reflexr and is not the
+ledger's to dispose of; on SQLite that engine has a single connection, so never call the ledger
+while holding a connection of the same engine.
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Self
+
+from artifactr.sql import create_sqlite_engine
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    DateTime,
+    Integer,
+    MetaData,
+    Select,
+    Table,
+    Text,
+    UniqueConstraint,
+    inspect,
+    make_url,
+    select,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from relayr.emissions import EmissionRecord, validate_emission
+from relayr.errors import InvalidEmission
+from relayr.ledger.port import Cause, WorkspaceKey, WriteKind
+
+SUPPORTED_DIALECTS = frozenset({"postgresql", "sqlite"})
+
+metadata = MetaData()
+
+causes_table = Table(
+    "relayr_causes",
+    metadata,
+    Column("tenant_id", Text, primary_key=True),
+    Column("workspace_id", Text, primary_key=True),
+    Column("kind", Text, primary_key=True),
+    Column("key", Text, primary_key=True),
+    Column("correlation_id", Text, nullable=False),
+    Column("firing_id", Text, nullable=False),
+    Column("run_id", Text, nullable=False),
+    Column("depth", Integer, nullable=False),
+)
+
+emissions_table = Table(
+    "relayr_emissions",
+    metadata,
+    Column(
+        "position",
+        BigInteger().with_variant(Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    Column("tenant_id", Text, nullable=False),
+    Column("workspace_id", Text, nullable=False),
+    Column("run_id", Text, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("message_id", Text, nullable=False),
+    Column("record", Text, nullable=False),
+    Column("emitted_at", DateTime(timezone=True), nullable=False),
+    UniqueConstraint(
+        "tenant_id",
+        "workspace_id",
+        "run_id",
+        "attempt",
+        "message_id",
+        name="relayr_emissions_once",
+    ),
+)
+
+_CAUSE_KEY = ("tenant_id", "workspace_id", "kind", "key")
+_EMISSION_KEY = ("tenant_id", "workspace_id", "run_id", "attempt", "message_id")
+_CAUSE_COLUMNS = (
+    causes_table.c.correlation_id,
+    causes_table.c.firing_id,
+    causes_table.c.run_id,
+    causes_table.c.depth,
+)
+
+
+async def migrate(engine: AsyncEngine) -> None:
+    """Create the ledger's tables where they are missing; safe at every start, and concurrently.
+
+    A process that loses the race to create a table finds it made by the winner and carries on;
+    any other failure is raised.
+    """
+    try:
+        async with engine.begin() as connection:
+            await connection.run_sync(metadata.create_all, checkfirst=True)
+    except DBAPIError:
+        async with engine.begin() as connection:
+            if not await connection.run_sync(_has_tables):
+                raise
+
+
+def _has_tables(connection: Connection) -> bool:
+    inspector = inspect(connection)
+    return all(inspector.has_table(table.name) for table in metadata.sorted_tables)
+
+
+class SqlLedger:
+    """Causes and emission records in SQLite or PostgreSQL, one transaction per call.
+
+    ``SqlLedger(engine)`` borrows an engine its caller disposes of; :meth:`from_url` builds and
+    owns one. Tables are created on first use; :meth:`open` creates them up front instead.
+    """
+
+    def __init__(self, engine: AsyncEngine, *, owns_engine: bool = False) -> None:
+        dialect = engine.dialect.name
+        if dialect not in SUPPORTED_DIALECTS:
+            raise ValueError(
+                f"the ledger stores into {' or '.join(sorted(SUPPORTED_DIALECTS))}, not {dialect}"
+            )
+        self._engine = engine
+        self._owns_engine = owns_engine
+        self._dialect = dialect
+        self._migrated = False
+        self._migrating = asyncio.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, **engine_options: Any) -> Self:
+        """A ledger on its own engine for ``url``, disposed of by :meth:`aclose`.
+
+        SQLite gets artifactr's engine whose transactions take turns (``BEGIN IMMEDIATE``,
+        one connection), the only safe way to write one SQLite file from many tasks.
+        """
+        if make_url(url).get_backend_name() == "sqlite":
+            engine = create_sqlite_engine(url, **engine_options)
+        else:
+            engine = create_async_engine(url, **engine_options)
+        return cls(engine, owns_engine=True)
+
+    @classmethod
+    async def open(cls, engine: AsyncEngine, *, owns_engine: bool = False) -> Self:
+        """A ledger on ``engine`` whose tables exist before its first call."""
+        ledger = cls(engine, owns_engine=owns_engine)
+        await ledger._ensure_tables()
+        return ledger
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self._engine
+
+    async def record_cause(
+        self, workspace: WorkspaceKey, kind: WriteKind, key: str, cause: Cause
+    ) -> Cause:
+        insert = self._insert_unless_present(causes_table, _CAUSE_KEY).values(
+            tenant_id=workspace.tenant_id,
+            workspace_id=workspace.workspace_id,
+            kind=kind,
+            key=key,
+            correlation_id=cause.correlation_id,
+            firing_id=cause.firing_id,
+            run_id=cause.run_id,
+            depth=cause.depth,
+        )
+        async with self._transaction() as connection:
+            kept = (await connection.execute(insert.returning(*_CAUSE_COLUMNS))).first()
+            if kept is None:
+                kept = (await connection.execute(_select_cause(workspace, kind, key))).one()
+        return Cause(*kept)
+
+    async def cause(self, workspace: WorkspaceKey, kind: WriteKind, key: str) -> Cause | None:
+        async with self._transaction() as connection:
+            found = (await connection.execute(_select_cause(workspace, kind, key))).first()
+        return None if found is None else Cause(*found)
+
+    async def record_emission(self, record: EmissionRecord) -> None:
+        valid = validate_emission(record.to_json())
+        insert = self._insert_unless_present(emissions_table, _EMISSION_KEY).values(
+            tenant_id=valid.tenant_id,
+            workspace_id=valid.workspace_id,
+            run_id=valid.run_id,
+            attempt=valid.attempt,
+            message_id=valid.message_id,
+            record=json.dumps(valid.to_json()),
+            emitted_at=valid.emitted_at,
+        )
+        async with self._transaction() as connection:
+            await connection.execute(insert)
+
+    async def emissions(self, workspace: WorkspaceKey, run_id: str) -> list[EmissionRecord]:
+        query = (
+            select(emissions_table.c.position, emissions_table.c.record)
+            .where(
+                emissions_table.c.tenant_id == workspace.tenant_id,
+                emissions_table.c.workspace_id == workspace.workspace_id,
+                emissions_table.c.run_id == run_id,
+            )
+            .order_by(emissions_table.c.position)
+        )
+        async with self._transaction() as connection:
+            stored = (await connection.execute(query)).all()
+        return [
+            _read_record(row.record, f"#{row.position} of run {run_id} in {workspace}")
+            for row in stored
+        ]
+
+    async def aclose(self) -> None:
+        if self._owns_engine:
+            await self._engine.dispose()
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[AsyncConnection]:
+        await self._ensure_tables()
+        async with self._engine.begin() as connection:
+            yield connection
+
+    async def _ensure_tables(self) -> None:
+        if self._migrated:
+            return
+        async with self._migrating:
+            if not self._migrated:
+                await migrate(self._engine)
+                self._migrated = True
+
+    def _insert_unless_present(
+        self, table: Table, key: Sequence[str]
+    ) -> postgresql.Insert | sqlite.Insert:
+        if self._dialect == "postgresql":
+            return postgresql.insert(table).on_conflict_do_nothing(index_elements=key)
+        return sqlite.insert(table).on_conflict_do_nothing(index_elements=key)
+
+
+def _select_cause(workspace: WorkspaceKey, kind: WriteKind, key: str) -> Select[str, str, str, int]:
+    return select(*_CAUSE_COLUMNS).where(
+        causes_table.c.tenant_id == workspace.tenant_id,
+        causes_table.c.workspace_id == workspace.workspace_id,
+        causes_table.c.kind == kind,
+        causes_table.c.key == key,
+    )
+
+
+def _read_record(text: str, where: str) -> EmissionRecord:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise InvalidEmission("INVALID_JSON", f"emission record {where} is not a JSON object")
+    return validate_emission(data)
