@@ -436,6 +436,7 @@ class RunActions:
             rule=self.rule,
             run_id=self._run.id,
             attempt=self._run.attempts,
+            epoch=self._run.epoch,
             tenant_id=self.workspace.tenant_id,
             workspace_id=self.workspace.workspace_id,
             thread_id=thread,

@@ -35,12 +35,17 @@ _TEXT_FIELDS = ("rule", "run_id", "tenant_id", "workspace_id", "thread_id", "mes
 
 @dataclass(frozen=True)
 class EmissionRecord:
-    """What one notice or send of one attempt did."""
+    """What one notice or send of one attempt did.
+
+    ``attempt`` counts from 1 again after an operator's retry; ``epoch`` never goes back, so
+    (run, epoch, message) names one emission for good.
+    """
 
     kind: EmissionKind
     rule: str
     run_id: str
     attempt: int
+    epoch: int
     tenant_id: str
     workspace_id: str
     thread_id: str
@@ -85,9 +90,12 @@ def validate_emission(data: Mapping[str, Any]) -> EmissionRecord:
         value = data[name]
         if not isinstance(value, str) or not value:
             raise InvalidEmission("INVALID_FIELD", f"{name} must be a non-empty string")
-    attempt = data["attempt"]
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
-        raise InvalidEmission("INVALID_FIELD", f"attempt must be a positive integer, not {attempt!r}")
+    for name in ("attempt", "epoch"):
+        number = data[name]
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            raise InvalidEmission(
+                "INVALID_FIELD", f"{name} must be a positive integer, not {number!r}"
+            )
     kind, policy, outcome = data["kind"], data["policy"], data["outcome"]
     if kind not in KINDS:
         raise InvalidEmission("INVALID_KIND", f"kind {kind!r} is not one of {sorted(KINDS)}")
@@ -103,7 +111,8 @@ def validate_emission(data: Mapping[str, Any]) -> EmissionRecord:
         kind=kind,
         rule=data["rule"],
         run_id=data["run_id"],
-        attempt=attempt,
+        attempt=data["attempt"],
+        epoch=data["epoch"],
         tenant_id=data["tenant_id"],
         workspace_id=data["workspace_id"],
         thread_id=data["thread_id"],

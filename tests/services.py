@@ -8,6 +8,7 @@ import asyncio
 import os
 import socket
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -44,7 +45,9 @@ def _admin_execute(sql: str) -> None:
         finally:
             await connection.close()
 
-    asyncio.run(execute())
+    # its own thread, so a fixture may call it while a test's event loop runs
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(asyncio.run, execute()).result()
 
 
 @contextmanager

@@ -116,7 +116,7 @@ class Harness:
             r for r in await workspace.runs(rule=rule) if published.envelope.seq in r.matched
         ]
         started, _ = start(pending, now=NOW)
-        started = started.model_copy(update={"attempts": attempt})
+        started = started.model_copy(update={"attempts": attempt, "epoch": attempt})
         return Reaction(
             workspace=workspace,
             run=started,

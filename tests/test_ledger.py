@@ -31,6 +31,7 @@ def emission(**changes: Any) -> EmissionRecord:
         rule="ops:triage",
         run_id="fir-1",
         attempt=1,
+        epoch=1,
         tenant_id=WORKSPACE.tenant_id,
         workspace_id=WORKSPACE.workspace_id,
         thread_id="thr-1",
@@ -135,7 +136,7 @@ async def test_emission_records_round_trip_oldest_first(ledger: Ledger) -> None:
     records = [
         emission(message_id="msg-1"),
         emission(message_id="msg-2", kind="message", policy="turn", outcome="posted"),
-        emission(message_id="msg-1", attempt=2, outcome="already_posted"),
+        emission(message_id="msg-1", attempt=2, epoch=2, outcome="already_posted"),
     ]
     for record in records:
         await ledger.record_emission(record)

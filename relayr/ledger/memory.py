@@ -34,7 +34,7 @@ class InMemoryLedger:
         data = validate_emission(record.to_json()).to_json()
         run = (WorkspaceKey(record.tenant_id, record.workspace_id), record.run_id)
         stored = self._emissions.setdefault(run, {})
-        stored.setdefault((record.attempt, record.message_id), json.dumps(data))
+        stored.setdefault((record.epoch, record.message_id), json.dumps(data))
 
     async def emissions(self, workspace: WorkspaceKey, run_id: str) -> list[EmissionRecord]:
         stored = self._emissions.get((workspace, run_id), {})

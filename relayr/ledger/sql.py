@@ -5,7 +5,7 @@ makes. The first cause under a key is kept by the database, not by a read before
 ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` stores the cause unless one is there, and only
 when it was there does a ``SELECT`` in the same transaction read the one kept, so concurrent
 contenders, in this process or others, all get the same answer. Emission records are stored as
-the JSON they were validated into, unique per (workspace, run, attempt, message), and validated
+the JSON they were validated into, unique per (workspace, run, epoch, message), and validated
 again when read, so a record changed in storage is refused rather than returned.
 
 The ledger's two tables (``relayr_causes``, ``relayr_emissions``) are created when missing, once
@@ -74,7 +74,7 @@ emissions_table = Table(
     Column("tenant_id", Text, nullable=False),
     Column("workspace_id", Text, nullable=False),
     Column("run_id", Text, nullable=False),
-    Column("attempt", Integer, nullable=False),
+    Column("epoch", Integer, nullable=False),
     Column("message_id", Text, nullable=False),
     Column("record", Text, nullable=False),
     Column("emitted_at", DateTime(timezone=True), nullable=False),
@@ -82,14 +82,14 @@ emissions_table = Table(
         "tenant_id",
         "workspace_id",
         "run_id",
-        "attempt",
+        "epoch",
         "message_id",
         name="relayr_emissions_once",
     ),
 )
 
 _CAUSE_KEY = ("tenant_id", "workspace_id", "kind", "key")
-_EMISSION_KEY = ("tenant_id", "workspace_id", "run_id", "attempt", "message_id")
+_EMISSION_KEY = ("tenant_id", "workspace_id", "run_id", "epoch", "message_id")
 _CAUSE_COLUMNS = (
     causes_table.c.correlation_id,
     causes_table.c.firing_id,
@@ -191,7 +191,7 @@ class SqlLedger:
             tenant_id=valid.tenant_id,
             workspace_id=valid.workspace_id,
             run_id=valid.run_id,
-            attempt=valid.attempt,
+            epoch=valid.epoch,
             message_id=valid.message_id,
             record=json.dumps(valid.to_json()),
             emitted_at=valid.emitted_at,

@@ -1,0 +1,335 @@
+"""What ops do with runs: list them, show one whole, and retry, cancel or skip them safely.
+
+reflexr's store is the truth about a run (DESIGN contract 7), so every command here reads and
+changes it through reflexr's own operator operations, across every workspace unless one is
+named. A retry is reflexr's operator retry (the run is due now, its attempts start again from
+zero) followed by an enqueue, so ops need not wait for the dispatcher's next pass. Retrying is
+always safe, because the run's writes have derived ids: a notice an earlier attempt posted is
+not posted again, and a send whose message was committed but whose turn was never asked gets
+its turn (ADR-0026).
+"""
+
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any, Final, Literal
+
+from artifactr import SystemActor as ArtifactSystemActor
+from artifactr import Workspaces as ArtifactWorkspaces
+from artifactr.core import Rejection as ArtifactRejection
+from artifactr.core import RunEnded, RunStarted
+from reflexr import UserActor
+from reflexr.core import (
+    InvalidState,
+    NotFound,
+    Rejection,
+    Run,
+    RunCancelled,
+    RunDeadLettered,
+    RunRequeued,
+    RunRetrying,
+    RunSkipped,
+    RunSucceeded,
+)
+from reflexr.core import RunStarted as RunAttempted
+from reflexr.workspace import WorkspaceRef, Workspaces
+
+from relayr.emissions import EmissionRecord
+from relayr.ledger.port import Ledger, WorkspaceKey
+
+OPERATOR: Final = UserActor(id="relayr-ops", name="relayr ops")
+"""Who retries, cancels and skips runs from the CLI, as reflexr's facts record it."""
+
+READER: Final = ArtifactSystemActor(name="relayr-ops")
+"""Who reads threads to find the turns a run's messages started."""
+
+RUN_FACTS: Final = (
+    "reflexr:run_started",
+    "reflexr:run_retrying",
+    "reflexr:run_succeeded",
+    "reflexr:run_dead_lettered",
+    "reflexr:run_cancelled",
+    "reflexr:run_requeued",
+    "reflexr:run_skipped",
+)
+
+type Enqueue = Callable[[str, str, str], Awaitable[None]]
+type TurnStatus = Literal["completed", "failed", "stopped", "running", "untaken"]
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One run as ``runs list`` shows it."""
+
+    tenant_id: str
+    workspace_id: str
+    id: str
+    rule: str
+    status: str
+    attempts: int
+    reason: str | None
+    error: str | None
+    next_attempt_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, ref: WorkspaceRef, run: Run) -> "RunRow":
+        return cls(
+            tenant_id=ref.tenant_id,
+            workspace_id=ref.workspace_id,
+            id=run.id,
+            rule=run.rule,
+            status=run.status,
+            attempts=run.attempts,
+            reason=run.reason,
+            error=run.error,
+            next_attempt_at=run.next_attempt_at,
+            updated_at=run.updated_at,
+        )
+
+    @property
+    def workspace(self) -> WorkspaceKey:
+        return WorkspaceKey(self.tenant_id, self.workspace_id)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["next_attempt_at"] = self.next_attempt_at.isoformat()
+        data["updated_at"] = self.updated_at.isoformat()
+        return data
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of a run, from reflexr's facts: when it started and how it ended."""
+
+    attempt: int
+    started_at: datetime
+    outcome: str = "running"
+    error: str | None = None
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "started_at": self.started_at.isoformat()}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """An agent turn that one of the run's messages started, or ``untaken``."""
+
+    message_id: str
+    thread_id: str
+    turn_id: str | None
+    status: TurnStatus
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """Everything ``runs show`` says about one run."""
+
+    run: RunRow
+    attempts: list[Attempt]
+    emissions: list[EmissionRecord]
+    turns: list[Turn]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run.to_json(),
+            "attempts": [attempt.to_json() for attempt in self.attempts],
+            "emissions": [record.to_json() for record in self.emissions],
+            "turns": [turn.to_json() for turn in self.turns],
+        }
+
+
+@dataclass(frozen=True)
+class Done:
+    """What an operation did to one run: changed it, or refused, and why."""
+
+    run_id: str
+    workspace: str
+    ok: bool
+    detail: str
+    status: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RunFilter:
+    """Which runs ``runs list`` and ``runs retry --dead`` take."""
+
+    status: str | None = None
+    rule: str | None = None
+    workspace: WorkspaceKey | None = None
+    since: datetime | None = None
+    limit: int | None = 100
+
+
+async def list_runs(rules: Workspaces, query: RunFilter) -> list[RunRow]:
+    """Runs across every workspace (or the one named), newest first, filtered."""
+    rows: list[RunRow] = []
+    storage = rules.storage
+    for ref in await _refs(rules, query.workspace):
+        runs = await storage.runs(
+            ref,
+            rule=query.rule,
+            status=query.status,  # type: ignore[arg-type]
+            limit=None if query.since else query.limit,
+        )
+        rows.extend(
+            RunRow.of(ref, run)
+            for run in runs
+            if query.since is None or run.updated_at >= query.since
+        )
+    rows.sort(key=lambda row: row.updated_at, reverse=True)
+    return rows if query.limit is None else rows[: query.limit]
+
+
+async def find_run(
+    rules: Workspaces, run_id: str, workspace: WorkspaceKey | None = None
+) -> RunRow | None:
+    """The run with this id, in the workspace named or the first that has it."""
+    for ref in await _refs(rules, workspace):
+        run = await rules.storage.run(ref, run_id)
+        if run is not None:
+            return RunRow.of(ref, run)
+    return None
+
+
+async def show_run(
+    rules: Workspaces,
+    artifacts: ArtifactWorkspaces,
+    ledger: Ledger,
+    row: RunRow,
+) -> RunReport:
+    """A run's attempts, its emission records, and the turns its messages started."""
+    ref = WorkspaceRef(row.tenant_id, row.workspace_id)
+    facts = await rules.storage.read(ref, after_seq=0, types=RUN_FACTS)
+    attempts = _attempts((envelope.event, envelope.ts) for envelope in facts)
+    emissions = await ledger.emissions(row.workspace, row.id)
+    turns = await _turns(artifacts, row.workspace, emissions)
+    return RunReport(run=row, attempts=attempts, emissions=emissions, turns=turns)
+
+
+async def retry(
+    rules: Workspaces, targets: Sequence[RunRow], enqueue: Enqueue, *, dry_run: bool = False
+) -> list[Done]:
+    """reflexr's operator retry of each run, then an enqueue, so it runs at once."""
+
+    async def retry_one(row: RunRow) -> Done:
+        if dry_run:
+            current = await rules.storage.run(_ref(row), row.id)
+            if current is None or current.status in ("succeeded", "running"):
+                status = "gone" if current is None else current.status
+                return Done(row.id, str(row.workspace), False, f"cannot retry a {status} run")
+            return Done(row.id, str(row.workspace), True, "would retry", current.status)
+        handle = await rules.open(row.tenant_id, row.workspace_id, actor=OPERATOR)
+        retried = await handle.retry_run(row.id)
+        await enqueue(row.tenant_id, row.workspace_id, row.id)
+        return Done(row.id, str(row.workspace), True, "retried and enqueued", retried.status)
+
+    return [await _guarded(row, retry_one) for row in targets]
+
+
+async def cancel(rules: Workspaces, targets: Sequence[RunRow], *, reason: str) -> list[Done]:
+    """reflexr's operator cancel of each run; a running attempt is fenced off."""
+
+    async def cancel_one(row: RunRow) -> Done:
+        handle = await rules.open(row.tenant_id, row.workspace_id, actor=OPERATOR)
+        cancelled = await handle.cancel_run(row.id, reason=reason)
+        return Done(row.id, str(row.workspace), True, "cancelled", cancelled.status)
+
+    return [await _guarded(row, cancel_one) for row in targets]
+
+
+async def skip(rules: Workspaces, targets: Sequence[RunRow], *, reason: str) -> list[Done]:
+    """reflexr's operator skip of each run: it will not run, and its scope moves on."""
+
+    async def skip_one(row: RunRow) -> Done:
+        handle = await rules.open(row.tenant_id, row.workspace_id, actor=OPERATOR)
+        skipped = await handle.skip_run(row.id, reason=reason)
+        return Done(row.id, str(row.workspace), True, "skipped", skipped.status)
+
+    return [await _guarded(row, skip_one) for row in targets]
+
+
+async def _guarded(row: RunRow, operation: Callable[[RunRow], Awaitable[Done]]) -> Done:
+    try:
+        return await operation(row)
+    except (InvalidState, NotFound) as refused:
+        return Done(row.id, str(row.workspace), False, refused.message)
+    except Rejection as refused:
+        return Done(row.id, str(row.workspace), False, f"{refused.code}: {refused.message}")
+
+
+def _ref(row: RunRow) -> WorkspaceRef:
+    return WorkspaceRef(row.tenant_id, row.workspace_id)
+
+
+async def _refs(rules: Workspaces, workspace: WorkspaceKey | None) -> list[WorkspaceRef]:
+    if workspace is not None:
+        return [WorkspaceRef(workspace.tenant_id, workspace.workspace_id)]
+    return await rules.storage.workspaces()
+
+
+def _attempts(facts: Iterable[tuple[object, datetime]]) -> list[Attempt]:
+    attempts: list[Attempt] = []
+
+    def ended(outcome: str, error: str | None = None, reason: str | None = None) -> None:
+        if attempts and attempts[-1].outcome == "running":
+            last = attempts[-1]
+            attempts[-1] = Attempt(last.attempt, last.started_at, outcome, error, reason)
+
+    for fact, at in facts:
+        match fact:
+            case RunAttempted():
+                ended("abandoned", "a later attempt started", "abandoned")
+                attempts.append(Attempt(fact.attempt, at))
+            case RunRetrying():
+                ended("failed", fact.error, fact.reason)
+            case RunDeadLettered():
+                ended("dead", fact.error, fact.reason)
+            case RunSucceeded():
+                ended("succeeded")
+            case RunCancelled():
+                ended("cancelled", None, fact.reason)
+            case RunSkipped() | RunRequeued():
+                pass
+    return attempts
+
+
+async def _turns(
+    artifacts: ArtifactWorkspaces, workspace: WorkspaceKey, emissions: Sequence[EmissionRecord]
+) -> list[Turn]:
+    sent = {(r.thread_id, r.message_id) for r in emissions if r.kind == "message"}
+    if not sent:
+        return []
+    try:
+        handle = await artifacts.open(workspace.tenant_id, workspace.workspace_id, actor=READER)
+        log = await handle.read(threads={thread for thread, _ in sent})
+    except ArtifactRejection:
+        return [Turn(message, thread, None, "untaken") for thread, message in sorted(sent)]
+    started: dict[str, str] = {}
+    ended: dict[str, RunEnded] = {}
+    for envelope in log:
+        event = envelope.event
+        if isinstance(event, RunStarted):
+            for message_id in event.message_ids:
+                started.setdefault(message_id, event.run_id)
+        elif isinstance(event, RunEnded):
+            ended[event.run_id] = event
+    turns = []
+    for thread, message in sorted(sent):
+        turn_id = started.get(message)
+        if turn_id is None:
+            turns.append(Turn(message, thread, None, "untaken"))
+        elif turn_id in ended:
+            end = ended[turn_id]
+            turns.append(Turn(message, thread, turn_id, end.status, end.reason))
+        else:
+            turns.append(Turn(message, thread, turn_id, "running"))
+    return turns
