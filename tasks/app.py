@@ -1,0 +1,121 @@
+"""relayr's Celery app: how run messages are carried, acknowledged and redelivered.
+
+The broker only delivers (DESIGN contract 7): reflexr's store is the truth about a run, a task
+carries ids only and re-reads the run, and a duplicated, lost or redelivered message repeats or
+loses nothing. So the settings below favour delivering again over losing, and bound the loops
+that delivering again could make:
+
+- JSON only, for tasks, results and events: a message can never carry code (no pickle).
+- ``task_acks_late``: a message is acknowledged after its task ran, so a worker that dies
+  mid-run leaves it to be delivered again.
+- ``task_retry_on_worker_lost`` (Celery 5.7) with ``max_retries``: a task whose pool process
+  died (OOM, segfault, SIGKILL) is sent again with its ``retries`` count raised by one, after
+  the run's lease has lapsed; past ``max_redeliveries`` the task fails the run
+  (``worker_lost``) instead of running it again (ADR-0011). ``task_reject_on_worker_lost``
+  stays on for the case where sending the retry fails: the broker then requeues the message.
+- ``worker_prefetch_multiplier=1``: a process reserves only the message it runs, so a long run
+  does not hold others back, and a dying worker strands at most one message per process.
+- Soft and hard time limits below the broker's visibility timeout (the settings check the
+  order), so Redis never hands a message that is still running to a second worker.
+- Task events and sent events on, so Flower and celery-exporter work.
+- No result backend: reflexr's store has every outcome.
+- ``worker_cancel_long_running_tasks_on_connection_loss``: after a broker connection drop,
+  the broker redelivers unacknowledged messages; the local copies are stopped rather than run
+  twice (reflexr's lease would refuse the second claim anyway).
+- A soft shutdown window, so a cold shutdown first gives running tasks time to finish.
+
+``celery -A tasks.app worker`` finds :data:`app`, built lazily from the environment's settings;
+``relayr worker`` builds it from settings it has already read, with :func:`create_celery`.
+"""
+
+from typing import Any, Final
+
+from celery import Celery
+
+from relayr.settings import Settings
+from tasks.runs import TASK_NAME
+from tasks.worker import process
+
+FILESYSTEM_POLLING_INTERVAL_S: Final = 0.05
+"""How often the embedded (filesystem) broker's consumer looks for new message files. kombu's
+default, 1 s, would cap a worker at about one run per second per process: a process asks for
+its next message only after it acknowledged the last one."""
+
+PROC_ALIVE_TIMEOUT_S: Final = 30.0
+"""How long a new pool process may take to report ready. Its runtime starts in the background,
+so this only covers imports and the fork itself; Celery's default (4 s) is tight on a busy host."""
+
+_current: Celery | None = None
+
+
+def transport_options(settings: Settings) -> dict[str, Any]:
+    """The broker's transport options: the settings' own, plus a fast poll for the filesystem."""
+    options = settings.broker_transport_options()
+    if settings.broker_url.startswith("filesystem://"):
+        options.setdefault("polling_interval", FILESYSTEM_POLLING_INTERVAL_S)
+    return options
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery's configuration for ``settings`` (see the module docstring for the why)."""
+    return {
+        "broker_url": settings.broker_url,
+        "broker_transport_options": transport_options(settings),
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "event_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "task_ignore_result": True,
+        "result_backend": None,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_retry_on_worker_lost": True,
+        "task_soft_time_limit": settings.soft_time_limit_s,
+        "task_time_limit": settings.time_limit_s,
+        "task_default_queue": settings.queue,
+        "task_routes": {TASK_NAME: {"queue": settings.queue}},
+        "task_annotations": {
+            TASK_NAME: {
+                # one more than allowed, so the task body sees the delivery past the bound
+                # and fails the run itself (tasks.runs.execute_run)
+                "max_retries": settings.max_redeliveries + 1,
+                # after the lost attempt's lease lapsed, so the redelivery can claim the run
+                "default_retry_delay": int(settings.lease_ttl_s) + 1,
+            }
+        },
+        "worker_prefetch_multiplier": 1,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_soft_shutdown_timeout": settings.turn_grace_s,
+        "worker_enable_soft_shutdown_on_idle": True,
+        "worker_hijack_root_logger": False,
+        "worker_proc_alive_timeout": PROC_ALIVE_TIMEOUT_S,
+    }
+
+
+def create_celery(settings: Settings) -> Celery:
+    """Build relayr's Celery app for ``settings``; it becomes this process's current app."""
+    global _current
+    app = Celery("relayr", set_as_current=True, include=["tasks.runs"])
+    app.conf.update(celery_config(settings))
+    process.configure(settings)
+    _current = app
+    return app
+
+
+def current() -> Celery:
+    """The app this process built, or one built now from the environment's settings."""
+    if _current is None:
+        return create_celery(Settings.from_env())
+    return _current
+
+
+def __getattr__(name: str) -> Celery:
+    # `celery -A tasks.app` looks for `app`, then `celery`: built when first asked for, so
+    # importing this module reads no environment.
+    if name in ("app", "celery"):
+        return current()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
