@@ -1,0 +1,385 @@
+"""relayr's Prometheus metrics: what runs, emissions, refusals and turns did, for every process.
+
+What each metric measures:
+
+``relayr_runs_executed_total{rule, outcome}``
+    Every call of the executor for one run, by its rule and outcome (``succeeded``,
+    ``retrying``, ``dead``, ``cancelled``, ``missing``, ``not_due``, ``contended``, ``dropped``,
+    ``interrupted``, ``abandoned``). ``dead`` is a run that exhausted its retry policy or failed
+    permanently; ``not_due`` and ``contended`` are duplicate deliveries refused at no cost.
+    ``rule`` is ``unknown`` when the run could not be read.
+``relayr_attempt_duration_seconds{rule}``
+    How long an attempt that ran the rule's action took, claim to outcome.
+``relayr_dispatch_lag_seconds``
+    How long a run waited between becoming due and its attempt starting: the queue's wait,
+    plus the dispatcher's polling when the run was not handed on at once.
+``relayr_emissions_total{kind, outcome}``
+    Every emission record written: ``kind`` ``notice`` or ``message``, ``outcome`` ``posted``,
+    ``already_posted`` (an earlier attempt posted it: a retry, harmless) or ``asked`` (the
+    message was there, its turn was asked for again).
+``relayr_refusals_total{reason}``
+    Writes a rule attempted and relayr or artifactr refused for good, by the refusal's stable
+    code (``not_allowed``, ...): a rule that asks for more than the allowlist grants.
+``relayr_runs_redelivered_total``
+    Task messages delivered again: after a worker died, or by the broker's visibility timeout.
+``relayr_runs_enqueued_total``
+    Task messages sent for runs, by the dispatcher or by a worker handing on the next run.
+``relayr_turns_started_total``
+    Agent turns that runs' sends started (or asked for again) in this deployment.
+``relayr_turns_drained_total``
+    Turns that were running when their worker began to stop and ended within the grace period.
+
+Celery's prefork pool runs tasks in child processes, which a scrape of one port must see. So
+every process writes its values to memory-mapped files in one directory (prometheus_client's
+multiprocess format), and the process that serves ``/metrics`` merges them. prometheus_client
+finds that directory through an environment variable; relayr hands it over explicitly instead
+(:func:`enable_multiprocess`, ADR-0030), so configuration still flows only from
+:class:`relayr.settings.Settings` and the command line. A process that never enables it (a
+test, a one-off command) keeps its values in memory, readable through :func:`registry`.
+
+Recording never fails a run: a metric that cannot be written is logged and dropped.
+"""
+
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import structlog
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    mmap_dict,
+    multiprocess,
+    values,
+)
+
+logger = structlog.get_logger("relayr.metrics")
+
+# prometheus_client leaves these unannotated; they are called as documented in its source
+_MmapedDict: Any = mmap_dict.MmapedDict
+_MultiProcessCollector: Any = multiprocess.MultiProcessCollector
+
+type MetricsRole = Literal["worker", "dispatcher", "cli"]
+
+UNKNOWN_RULE: Final = "unknown"
+"""The ``rule`` label of a run that could not be read (``missing``)."""
+
+ATTEMPT_BUCKETS_S: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+"""Attempts range from a notice (tens of milliseconds) to the soft time limit (300 s)."""
+
+LAG_BUCKETS_S: Final = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 3600)
+"""A handed-on run starts in milliseconds, a polled one within the dispatch interval (1 s); a
+lost message is found again after ``requeue_after_s`` (60 s); beyond that is a backlog."""
+
+
+class _Instruments:
+    """The metrics themselves, built once the process knows where values are kept."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.runs = Counter(
+            "relayr_runs_executed",
+            "Runs the executor handled, by rule and outcome.",
+            ["rule", "outcome"],
+            registry=registry,
+        )
+        self.attempt_duration = Histogram(
+            "relayr_attempt_duration_seconds",
+            "How long an attempt that ran its rule's action took.",
+            ["rule"],
+            buckets=ATTEMPT_BUCKETS_S,
+            registry=registry,
+        )
+        self.dispatch_lag = Histogram(
+            "relayr_dispatch_lag_seconds",
+            "How long a run waited from becoming due to its attempt starting.",
+            buckets=LAG_BUCKETS_S,
+            registry=registry,
+        )
+        self.emissions = Counter(
+            "relayr_emissions",
+            "Emission records written, by kind and outcome.",
+            ["kind", "outcome"],
+            registry=registry,
+        )
+        self.refusals = Counter(
+            "relayr_refusals",
+            "Writes of rules refused for good, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.redelivered = Counter(
+            "relayr_runs_redelivered",
+            "Task messages for runs delivered again.",
+            registry=registry,
+        )
+        self.enqueued = Counter(
+            "relayr_runs_enqueued",
+            "Task messages sent for runs.",
+            registry=registry,
+        )
+        self.turns_started = Counter(
+            "relayr_turns_started",
+            "Agent turns that runs started.",
+            registry=registry,
+        )
+        self.turns_drained = Counter(
+            "relayr_turns_drained",
+            "Turns that ended within a stopping worker's grace period.",
+            registry=registry,
+        )
+
+
+@dataclass
+class _State:
+    instruments: _Instruments | None = None
+    local: CollectorRegistry | None = None
+    directory: Path | None = None
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def _instruments() -> _Instruments:
+    if _state.instruments is None:
+        with _lock:
+            if _state.instruments is None:
+                _state.local = CollectorRegistry()
+                _state.instruments = _Instruments(_state.local)
+    return _state.instruments
+
+
+def _safely(record: Callable[[_Instruments], None]) -> None:
+    try:
+        record(_instruments())
+    except OSError as error:  # a full or vanished metrics directory must not fail a run
+        logger.warning("metric not recorded", error=str(error))
+
+
+def record_run(rule: str | None, outcome: str, duration_s: float | None = None) -> None:
+    """Count one executor outcome; ``duration_s`` when the attempt ran the rule's action."""
+    label = rule or UNKNOWN_RULE
+
+    def record(metrics: _Instruments) -> None:
+        metrics.runs.labels(rule=label, outcome=outcome).inc()
+        if duration_s is not None:
+            metrics.attempt_duration.labels(rule=label).observe(max(duration_s, 0.0))
+
+    _safely(record)
+
+
+def record_dispatch_lag(lag_s: float) -> None:
+    """Observe how long a run waited from due to started (a negative lag counts as 0)."""
+    _safely(lambda metrics: metrics.dispatch_lag.observe(max(lag_s, 0.0)))
+
+
+def record_emission(kind: str, outcome: str) -> None:
+    """Count one emission record by kind (``notice``, ``message``) and outcome."""
+    _safely(lambda metrics: metrics.emissions.labels(kind=kind, outcome=outcome).inc())
+
+
+def record_refusal(reason: str) -> None:
+    """Count one refused write of a rule by its stable code (``not_allowed``, ...)."""
+    _safely(lambda metrics: metrics.refusals.labels(reason=reason).inc())
+
+
+def record_redelivery() -> None:
+    """Count one task message delivered again."""
+    _safely(lambda metrics: metrics.redelivered.inc())
+
+
+def record_enqueued(count: int = 1) -> None:
+    """Count task messages sent for runs."""
+    _safely(lambda metrics: metrics.enqueued.inc(count))
+
+
+def record_turn_started() -> None:
+    """Count one agent turn a run started."""
+    _safely(lambda metrics: metrics.turns_started.inc())
+
+
+def record_turns_drained(count: int) -> None:
+    """Count the turns that ended within a stopping worker's grace period."""
+    if count > 0:
+        _safely(lambda metrics: metrics.turns_drained.inc(count))
+
+
+def metrics_directory(home: Path, role: MetricsRole, pid: int | None = None) -> Path:
+    """Where a serving process and its children keep their values: one directory per process.
+
+    Named by role and the serving process's id, so two processes sharing ``RELAYR_HOME`` on one
+    host never merge or wipe each other's values.
+    """
+    return home.absolute() / "metrics" / f"{role}-{os.getpid() if pid is None else pid}"
+
+
+def enable_multiprocess(directory: Path) -> None:
+    """Keep this process's values, and those of processes it forks later, in ``directory``.
+
+    Call it in the process that serves ``/metrics``, before it forks its pool. The directory is
+    emptied first: values left by an earlier process of the same name are not this one's.
+
+    Raises:
+        RuntimeError: If the process already keeps its values in another directory.
+    """
+    directory = directory.absolute()
+    with _lock:
+        if _state.directory == directory:
+            return
+        if _state.directory is not None:
+            raise RuntimeError(f"metrics are already kept in {_state.directory}")
+        if directory.exists():
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
+        # prometheus_client picks how values are kept when a metric is built: from now on, in
+        # files of this directory, one per process (the fork-safe class below)
+        values.ValueClass = _file_value_class(directory)
+        _state.directory = directory
+        _state.local = None
+        _state.instruments = _Instruments(None)
+
+
+def registry() -> CollectorRegistry:
+    """What a scrape of this process returns: every process's values when they are in files."""
+    _instruments()
+    if _state.directory is not None:
+        merged = CollectorRegistry()
+        _MultiProcessCollector(merged, path=str(_state.directory))
+        return merged
+    assert _state.local is not None
+    return _state.local
+
+
+def exposition() -> bytes:
+    """The text a scrape returns, in Prometheus's format."""
+    return generate_latest(registry())
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` endpoint; :meth:`close` stops it and removes its directory."""
+
+    port: int
+    directory: Path | None
+    _stop: Callable[[], None]
+
+    def close(self) -> None:
+        self._stop()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def start_metrics_server(port: int, directory: Path | None, *, addr: str = "") -> MetricsServer:
+    """Serve ``/metrics`` on ``port`` (0: any free port) from a daemon thread of this process.
+
+    Args:
+        port: The TCP port; :attr:`MetricsServer.port` is the one bound.
+        directory: Where this process and its future children keep values (see
+            :func:`metrics_directory`); None keeps them in this process's memory, which is
+            right only for a process that runs tasks itself.
+        addr: The address to listen on; every interface by default.
+    """
+    from prometheus_client import start_http_server
+
+    if directory is not None:
+        enable_multiprocess(directory)
+    server, thread = start_http_server(port, addr=addr, registry=_ServedRegistry())
+    bound = int(server.server_address[1])
+    logger.info("metrics served", port=bound, directory=str(directory) if directory else None)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+    return MetricsServer(port=bound, directory=directory, _stop=stop)
+
+
+class _ServedRegistry(CollectorRegistry):
+    """Answers each scrape with :func:`registry`, so values of processes forked later count."""
+
+    def collect(self) -> Any:
+        return registry().collect()
+
+
+def _file_value_class(directory: Path) -> type:
+    """prometheus_client's per-process file values, in ``directory`` rather than an env var.
+
+    The same files and keys as ``prometheus_client.values.MultiProcessValue``, so its collector
+    merges them; after a fork, the child reopens files of its own before its first write.
+    """
+    files: dict[str, Any] = {}
+    instances: list[Any] = []
+    pid = [os.getpid()]
+    lock = threading.Lock()
+
+    class FileValue:
+        _multiprocess = True
+
+        def __init__(
+            self,
+            typ: str,
+            metric_name: str,
+            name: str,
+            labelnames: Any,
+            labelvalues: Any,
+            help_text: str,
+            multiprocess_mode: str = "",
+            **_: Any,
+        ) -> None:
+            self._key = mmap_dict.mmap_key(metric_name, name, labelnames, labelvalues, help_text)
+            self._prefix = f"{typ}_{multiprocess_mode}" if typ == "gauge" else typ
+            with lock:
+                self._forked()
+                self._open()
+                instances.append(self)
+
+        def _open(self) -> None:
+            if self._prefix not in files:
+                files[self._prefix] = _MmapedDict(str(directory / f"{self._prefix}_{pid[0]}.db"))
+            self._file = files[self._prefix]
+            self._value, self._timestamp = self._file.read_value(self._key)
+
+        @staticmethod
+        def _forked() -> None:
+            if pid[0] == os.getpid():
+                return
+            pid[0] = os.getpid()
+            for file in files.values():
+                file.close()
+            files.clear()
+            for instance in instances:
+                instance._open()
+
+        def inc(self, amount: float) -> None:
+            with lock:
+                self._forked()
+                self._value += amount
+                self._timestamp = 0.0
+                self._file.write_value(self._key, self._value, self._timestamp)
+
+        def set(self, value: float, timestamp: float | None = None) -> None:
+            with lock:
+                self._forked()
+                self._value = value
+                self._timestamp = timestamp or 0.0
+                self._file.write_value(self._key, self._value, self._timestamp)
+
+        def set_exemplar(self, exemplar: Any) -> None:
+            return None
+
+        def get(self) -> float:
+            with lock:
+                self._forked()
+                return float(self._value)
+
+        def get_exemplar(self) -> None:
+            return None
+
+    return FileValue
