@@ -1,0 +1,324 @@
+"""The dispatcher on real reflexr storage: each due run enqueued once per attempt.
+
+The queue here is a list: what the dispatcher promises is which ids it hands over, and when.
+``requeue_after_s`` is measured on a clock the test moves, so "the message was lost" needs no
+waiting.
+"""
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from artifactr import Workspaces as ArtifactWorkspaces
+from reflexr import Event, F, RetryPolicy, Rule, SourceActor, by, on, run
+from reflexr.core import start
+from reflexr.workspace import Reaction, WorkspaceRef, run_lease
+from reflexr.workspace import Workspaces as RuleWorkspaces
+
+from relayr.allowlist import Allowlists
+from relayr.application import Application, open_storage
+from relayr.bridge import Bridge
+from relayr.dispatch import Dispatcher, DispatchPass
+from relayr.executor import execute_run
+from relayr.runtime import Runtime
+from relayr.settings import Settings
+
+TENANT, WORKSPACE = "acme", "ops"
+REF = WorkspaceRef(TENANT, WORKSPACE)
+REQUEUE_AFTER_S = 60.0
+BACKOFF = timedelta(milliseconds=500)
+
+
+class DispatchTestEvent(Event, abstract=True, event_namespace="dispatchtest"):
+    pass
+
+
+class Ping(DispatchTestEvent, name="ping"):
+    mode: str = "ok"
+
+
+class Step(DispatchTestEvent, name="step"):
+    key: str
+
+
+RULES = [
+    Rule(
+        name="dispatch:ping",
+        when=on(Ping),
+        then=run("act"),
+        ordering="none",
+        start="beginning",
+        retry=RetryPolicy(max_attempts=3, backoff=BACKOFF),
+    ),
+    Rule(
+        name="dispatch:step",
+        when=on(Step),
+        scope=by(F.key),
+        then=run("act"),
+        ordering="scope",
+        start="beginning",
+    ),
+]
+
+
+@dataclasses.dataclass
+class Gates:
+    started: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    release: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
+async def act(reaction: Reaction[Bridge]) -> None:
+    mode = reaction.events[-1].data.get("mode", "ok")
+    if mode == "fail":
+        raise RuntimeError("flaky")
+    if mode == "wait":
+        gates = reaction.deps.app
+        assert isinstance(gates, Gates)
+        gates.started.set()
+        await gates.release.wait()
+
+
+class Clock:
+    """The monotonic clock ``requeue_after_s`` is measured on, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness:
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.rules = runtime.application.rules
+        self.clock = Clock()
+        self.dispatcher = Dispatcher(runtime, monotonic=self.clock)
+        self.queue: list[str] = []
+        gates = runtime.application.app_deps
+        assert isinstance(gates, Gates)
+        self.gates = gates
+
+    async def enqueue(self, tenant_id: str, workspace_id: str, run_id: str) -> None:
+        assert (tenant_id, workspace_id) == (TENANT, WORKSPACE)
+        self.queue.append(run_id)
+
+    async def publish(self, *events: Event) -> None:
+        source = await self.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
+        for event in events:
+            await source.publish(event)
+
+    async def dispatch(self) -> tuple[DispatchPass, list[str]]:
+        """One pass; returns it and the ids it enqueued."""
+        self.queue.clear()
+        done = await self.dispatcher.pass_once(self.enqueue)
+        return done, list(self.queue)
+
+    async def runs(self) -> dict[str, str]:
+        source = await self.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
+        return {r.id: r.status for r in await source.runs()}
+
+
+@pytest.fixture(
+    params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
+)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
+    url = request.getfixturevalue("postgres_url")
+    assert isinstance(url, str)
+    return url
+
+
+@pytest.fixture
+async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
+    settings = Settings(
+        home=tmp_path,
+        database_url=database_url,
+        requeue_after_s=REQUEUE_AFTER_S,
+        dispatch_interval_s=0.05,
+        turn_grace_s=0,
+    )
+    storage = await open_storage(settings)
+    application = Application(
+        artifacts=ArtifactWorkspaces(storage.artifacts),
+        rules=RuleWorkspaces(storage.rules, events=[Ping, Step], rules=RULES),
+        actions={"act": act},
+        app_deps=Gates(),
+        engines=storage.engines,
+    )
+    runtime = await Runtime.start(
+        settings, role="dispatcher", application=application, allowlists=Allowlists.empty
+    )
+    try:
+        yield Harness(runtime)
+    finally:
+        await runtime.aclose()
+
+
+async def test_each_due_run_is_enqueued_once(harness: Harness) -> None:
+    await harness.publish(Ping(), Ping(), Ping())
+
+    first, enqueued = await harness.dispatch()
+    second, again = await harness.dispatch()
+
+    assert first == DispatchPass(firings=3, due=3, enqueued=3)
+    assert sorted(enqueued) == sorted(await harness.runs())
+    assert second == DispatchPass(due=3, waiting=3)
+    assert again == []
+
+
+async def test_a_run_still_due_after_requeue_after_s_is_enqueued_again(harness: Harness) -> None:
+    """Its message was lost: the broker dropped it, or the worker died before claiming."""
+    await harness.publish(Ping())
+    _, [run_id] = await harness.dispatch()
+
+    harness.clock.now += REQUEUE_AFTER_S - 1
+    _, early = await harness.dispatch()
+    harness.clock.now += 1
+    done, late = await harness.dispatch()
+    _, after = await harness.dispatch()
+
+    assert early == []
+    assert late == [run_id]
+    assert done.enqueued == 1
+    assert after == []
+
+
+async def test_a_run_at_its_next_attempt_is_enqueued_at_once(harness: Harness) -> None:
+    await harness.publish(Ping(mode="fail"))
+    _, [run_id] = await harness.dispatch()
+    executed = await execute_run(harness.runtime, TENANT, WORKSPACE, run_id)
+    assert executed.outcome == "retrying"
+
+    _, waiting = await harness.dispatch()
+    await asyncio.sleep(BACKOFF.total_seconds() * 1.5)
+    _, due_again = await harness.dispatch()
+
+    assert waiting == []
+    assert due_again == [run_id]
+
+
+async def test_a_running_run_under_its_lease_is_not_enqueued(harness: Harness) -> None:
+    await harness.publish(Ping(mode="wait"))
+    _, [run_id] = await harness.dispatch()
+    executing = asyncio.create_task(execute_run(harness.runtime, TENANT, WORKSPACE, run_id))
+    await asyncio.wait_for(harness.gates.started.wait(), 5)
+
+    harness.clock.now += REQUEUE_AFTER_S * 2
+    done, enqueued = await harness.dispatch()
+    harness.gates.release.set()
+    executed = await asyncio.wait_for(executing, 5)
+
+    assert done.due == 0
+    assert enqueued == []
+    assert executed.outcome == "succeeded"
+
+
+async def test_a_running_run_whose_lease_lapsed_is_found(harness: Harness) -> None:
+    """A worker killed mid-action leaves its run running under a lease no one renews."""
+    await harness.publish(Ping())
+    _, [run_id] = await harness.dispatch()
+    storage = harness.rules.storage
+    ttl = timedelta(milliseconds=300)
+    assert await storage.acquire_lease(REF, run_lease(run_id), "killed-worker", ttl)
+    async with storage.transaction(REF) as transaction:
+        pending = await transaction.run(run_id)
+        assert pending is not None
+        await transaction.save_runs([start(pending, now=harness.rules.clock())[0]])
+
+    _, held = await harness.dispatch()
+    await asyncio.sleep(ttl.total_seconds() * 1.5)
+    _, lapsed = await harness.dispatch()
+    executed = await execute_run(harness.runtime, TENANT, WORKSPACE, run_id)
+
+    assert held == []
+    assert lapsed == [run_id]  # a new attempt of the same run: (running, 1, 1), not (pending, 0, 0)
+    assert executed.outcome == "abandoned"
+
+
+async def test_an_ordered_scope_is_enqueued_one_run_at_a_time(harness: Harness) -> None:
+    await harness.publish(Step(key="a"), Step(key="a"), Step(key="b"))
+
+    done, enqueued = await harness.dispatch()
+    [head] = [r for r in enqueued if r in await _scope(harness, "a")]
+    executed = await execute_run(harness.runtime, TENANT, WORKSPACE, head)
+
+    assert done.firings == 3
+    assert len(enqueued) == 2  # the head of each scope
+    assert executed.outcome == "succeeded"
+    assert len(executed.next_runs) == 1
+    _, following = await harness.dispatch()
+    assert following == list(executed.next_runs)
+
+
+async def _scope(harness: Harness, key: str) -> set[str]:
+    source = await harness.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
+    return {r.id for r in await source.runs(rule="dispatch:step") if r.scope == {"key": key}}
+
+
+async def test_a_run_the_queue_refused_is_enqueued_by_the_next_pass(harness: Harness) -> None:
+    await harness.publish(Ping())
+    refused: list[str] = []
+
+    async def broken(tenant_id: str, workspace_id: str, run_id: str) -> None:
+        refused.append(run_id)
+        raise ConnectionError("broker down")
+
+    failed = await harness.dispatcher.pass_once(broken)
+    done, enqueued = await harness.dispatch()
+
+    assert failed.failed == 1
+    assert failed.enqueued == 0
+    assert enqueued == refused
+    assert done.enqueued == 1
+
+
+async def test_serve_dispatches_until_stopped(harness: Harness) -> None:
+    stop = asyncio.Event()
+
+    async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
+        await harness.enqueue(tenant_id, workspace_id, run_id)
+        if len(harness.queue) == 2:
+            stop.set()
+
+    serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
+    await harness.publish(Ping(), Ping())
+    await asyncio.wait_for(serving, 5)
+
+    assert sorted(harness.queue) == sorted(await harness.runs())
+
+
+async def test_serve_survives_a_failing_pass(harness: Harness) -> None:
+    stop = asyncio.Event()
+    calls = 0
+
+    async def enqueue_then_stop(tenant_id: str, workspace_id: str, run_id: str) -> None:
+        nonlocal calls
+        calls += 1
+        stop.set()
+
+    original = harness.rules.storage.due_runs
+    failures = 0
+
+    async def flaky_due_runs(**kwargs: object) -> object:
+        nonlocal failures
+        if failures == 0:
+            failures += 1
+            raise ConnectionError("database restarting")
+        return await original(**kwargs)  # type: ignore[arg-type]
+
+    await harness.publish(Ping())
+    harness.rules.storage.due_runs = flaky_due_runs  # type: ignore[method-assign]
+    try:
+        await asyncio.wait_for(harness.dispatcher.serve(enqueue_then_stop, stop), 10)
+    finally:
+        del harness.rules.storage.due_runs
+
+    assert failures == 1
+    assert calls == 1
