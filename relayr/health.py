@@ -1,0 +1,408 @@
+"""``relayr health``: is this worker or dispatcher alive, and can it reach the broker and database?
+
+A probe runs every few seconds on every pod, so it must be cheap and must answer while the
+worker is busy. A Celery broadcast ping is neither: it goes through the broker, and a worker
+whose pool is full (or whose only process runs a long task) cannot answer it in time. So:
+
+- **Alive** is a heartbeat file whose mtime the process refreshes. A worker's main process
+  refreshes it from a timer of its own event loop (:func:`heartbeat_step`, a Celery bootstep),
+  which keeps turning while pool processes run tasks and stops when the main loop hangs; the
+  dispatcher refreshes it after each pass. The check reads one ``stat``.
+- **Reaches the broker**: a Redis ``PING`` (or the filesystem broker's folders exist and are
+  writable); **reaches the database**: ``SELECT 1``. Each with its own timeout, run together,
+  so the whole check ends within ``--timeout`` and names every failure, not the first.
+
+``--liveness`` checks the heartbeat alone: a liveness probe that also needed Redis would restart
+every worker at once during a Redis outage, which helps nothing (ADR-0031).
+
+The heartbeat lives under ``RELAYR_HOME`` (``health/<role>.heartbeat``), so the probe finds it
+with the same settings as the process it checks.
+"""
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+import click
+from redis.asyncio import Redis
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
+
+from relayr.errors import RelayrError
+from relayr.settings import Settings
+
+type HealthRole = Literal["worker", "dispatcher"]
+
+HEARTBEAT_INTERVAL_S: Final = 5.0
+"""How often a worker's main loop refreshes its heartbeat: well inside the default maximum age,
+so a probe never sees a live worker's heartbeat as stale."""
+
+DEFAULT_MAX_AGE_S: Final = 60.0
+"""How old a heartbeat may be before its process counts as dead: twelve missed worker beats, or
+a dispatcher pass that ran for a minute (a pass normally takes well under a second)."""
+
+DEFAULT_TIMEOUT_S: Final = 5.0
+"""How long the broker and the database each get to answer: inside a probe's usual 10 s."""
+
+EXIT_UNHEALTHY: Final = 1
+EXIT_BAD_INPUT: Final = 2
+"""As every ``relayr`` command: settings that cannot be used are bad input, not ill health."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One thing checked: its name, whether it passed, and what was seen."""
+
+    name: str
+    ok: bool
+    detail: str
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """Every check of one ``relayr health``; healthy when all passed."""
+
+    role: HealthRole | None
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    @property
+    def reason(self) -> str:
+        """The failed checks, one clause each; empty when healthy."""
+        return "; ".join(f"{check.name}: {check.detail}" for check in self.checks if not check.ok)
+
+    def summary(self) -> str:
+        state = "healthy" if self.ok else "unhealthy"
+        what = self.role or "dependencies"
+        lines = "; ".join(f"{check.name}: {check.detail}" for check in self.checks)
+        return f"{what} {state}: {lines}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "role": self.role,
+            "reason": self.reason,
+            "checks": [asdict(check) for check in self.checks],
+        }
+
+
+def heartbeat_path(home: Path, role: HealthRole) -> Path:
+    """Where the process of ``role`` keeps its heartbeat, under ``RELAYR_HOME``."""
+    return home.absolute() / "health" / f"{role}.heartbeat"
+
+
+def touch_heartbeat(path: Path) -> None:
+    """Refresh the heartbeat's mtime (creating the file and its folder if missing)."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{os.getpid()}\n")
+
+
+def check_heartbeat(path: Path, *, max_age_s: float, now: float | None = None) -> Check:
+    """Whether the heartbeat at ``path`` is at most ``max_age_s`` old."""
+    started = time.monotonic()
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return Check(
+            "heartbeat",
+            False,
+            f"no heartbeat at {path}: the process has not started or has stopped, "
+            "or it runs with another RELAYR_HOME",
+            time.monotonic() - started,
+        )
+    age_s = max((time.time() if now is None else now) - mtime, 0.0)
+    if age_s > max_age_s:
+        return Check(
+            "heartbeat",
+            False,
+            f"{path} is {age_s:.1f} s old (limit {max_age_s:g} s): the process is hung or gone",
+            time.monotonic() - started,
+        )
+    return Check("heartbeat", True, f"{age_s:.1f} s old", time.monotonic() - started)
+
+
+async def check_broker(settings: Settings, *, timeout_s: float) -> Check:
+    """Whether the broker answers: Redis ``PING``; the filesystem broker's folders writable."""
+    url = settings.broker_url
+    if url.startswith(("redis://", "rediss://")):
+        return await _timed("broker", redact(url), timeout_s, lambda: _ping_redis(url, timeout_s))
+    if url.startswith("filesystem://"):
+        return _check_folder(settings.broker_folder / "queue")
+    return Check("broker", True, "in-process broker: nothing to reach", 0.0)
+
+
+async def check_database(settings: Settings, *, timeout_s: float) -> Check:
+    """Whether the database answers ``SELECT 1``."""
+    url = settings.database_url
+    if url.startswith("memory://"):
+        return Check("database", True, "in-process database: nothing to reach", 0.0)
+    missing = _missing_sqlite_file(url)
+    if missing is not None:
+        # connecting would create an empty file, hiding that the path differs from the workers'
+        return Check("database", False, f"SQLite file {missing} does not exist", 0.0)
+    return await _timed(
+        "database", redact(url), timeout_s, lambda: _select_one(url, timeout_s=timeout_s)
+    )
+
+
+async def acheck_health(
+    settings: Settings,
+    role: HealthRole | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    dependencies: bool = True,
+) -> HealthReport:
+    """Check the heartbeat of ``role`` (if any) and, unless told not to, broker and database.
+
+    The broker and database checks run together, each bounded by ``timeout_s``.
+    """
+    checks: list[Check] = []
+    if role is not None:
+        checks.append(check_heartbeat(heartbeat_path(settings.home, role), max_age_s=max_age_s))
+    if dependencies:
+        checks.extend(
+            await asyncio.gather(
+                check_broker(settings, timeout_s=timeout_s),
+                check_database(settings, timeout_s=timeout_s),
+            )
+        )
+    return HealthReport(role, tuple(checks))
+
+
+def check_health(
+    settings: Settings,
+    role: HealthRole | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    dependencies: bool = True,
+) -> HealthReport:
+    """:func:`acheck_health` for a caller without an event loop (the command, a probe)."""
+    return asyncio.run(
+        acheck_health(
+            settings,
+            role,
+            timeout_s=timeout_s,
+            max_age_s=max_age_s,
+            dependencies=dependencies,
+        )
+    )
+
+
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***``, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
+async def _timed(
+    name: str, target: str, timeout_s: float, probe: Callable[[], Awaitable[str]]
+) -> Check:
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout_s):
+            seen = await probe()
+    except TimeoutError:
+        return Check(
+            name,
+            False,
+            f"no answer from {target} within {timeout_s:g} s",
+            time.monotonic() - started,
+        )
+    except Exception as error:  # any failure to reach it is the answer, named
+        return Check(
+            name,
+            False,
+            f"cannot reach {target}: {type(error).__name__}: {error}",
+            time.monotonic() - started,
+        )
+    elapsed = time.monotonic() - started
+    return Check(name, True, f"{target} {seen} in {elapsed * 1000:.0f} ms", elapsed)
+
+
+async def _ping_redis(url: str, timeout_s: float) -> str:
+    client = Redis.from_url(
+        url,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
+        retry_on_timeout=False,
+    )
+    try:
+        await client.ping()
+    finally:
+        await client.aclose()
+    return "answered PING"
+
+
+def _check_folder(queue: Path) -> Check:
+    started = time.monotonic()
+    if not queue.is_dir():
+        detail = f"{queue} does not exist: no worker or dispatcher has used it"
+    elif not os.access(queue, os.W_OK):
+        detail = f"{queue} is not writable"
+    else:
+        return Check("broker", True, f"folder {queue} is writable", time.monotonic() - started)
+    return Check("broker", False, detail, time.monotonic() - started)
+
+
+async def _select_one(url: str, *, timeout_s: float) -> str:
+    connect_args: dict[str, Any] = {"timeout": timeout_s}
+    if make_url(url).get_backend_name() != "sqlite":
+        connect_args["command_timeout"] = timeout_s
+    engine = create_async_engine(url, poolclass=NullPool, connect_args=connect_args)
+    try:
+        async with engine.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+    finally:
+        await engine.dispose()
+    return "answered SELECT 1"
+
+
+def _missing_sqlite_file(url: str) -> str | None:
+    if not url.startswith("sqlite"):
+        return None
+    database = make_url(url).database or ""
+    if database in ("", ":memory:") or Path(database).exists():
+        return None
+    return database
+
+
+def heartbeat_step(path: Path, interval_s: float = HEARTBEAT_INTERVAL_S) -> type:
+    """A Celery worker bootstep that keeps the heartbeat at ``path`` fresh.
+
+    It beats on the worker's own timer, which (with the prefork pool on Redis) the main
+    process's event loop runs: a worker whose pool is busy still beats; one whose main loop is
+    stuck does not. Add it with ``app.steps["worker"].add(heartbeat_step(path))``. The file is
+    removed when the worker stops, so a stopped worker is never reported alive.
+    """
+    from celery import bootsteps
+
+    class Heartbeat(bootsteps.StartStopStep):  # type: ignore[misc]  # celery ships no types
+        requires = ("celery.worker.components:Timer",)
+
+        def __init__(self, worker: Any, **kwargs: Any) -> None:
+            super().__init__(worker, **kwargs)
+            self._entry: Any = None
+
+        def start(self, worker: Any) -> None:
+            touch_heartbeat(path)
+            self._entry = worker.timer.call_repeatedly(
+                interval_s, touch_heartbeat, (path,), priority=10
+            )
+
+        def stop(self, worker: Any) -> None:
+            if self._entry is not None:
+                self._entry.cancel()
+                self._entry = None
+            path.unlink(missing_ok=True)
+
+        def terminate(self, worker: Any) -> None:
+            self.stop(worker)
+
+    return Heartbeat
+
+
+class _BadSettings(click.ClickException):
+    exit_code = EXIT_BAD_INPUT
+
+
+def _settings(context: click.Context) -> Settings:
+    found = context.find_object(Settings)
+    if found is not None:
+        return found
+    try:
+        return Settings.from_env()
+    except RelayrError as error:
+        raise _BadSettings(error.message) from None
+
+
+@click.command("health")
+@click.option(
+    "--worker",
+    "role",
+    flag_value="worker",
+    help="Also check the worker's heartbeat (its main loop is turning).",
+)
+@click.option(
+    "--dispatcher",
+    "role",
+    flag_value="dispatcher",
+    help="Also check the dispatcher's heartbeat (its passes are running).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0.1),
+    default=DEFAULT_TIMEOUT_S,
+    show_default=True,
+    help="Seconds the broker and the database each get to answer.",
+)
+@click.option(
+    "--max-age",
+    "max_age_s",
+    type=click.FloatRange(min=1),
+    default=DEFAULT_MAX_AGE_S,
+    show_default=True,
+    help="Seconds a heartbeat may be old.",
+)
+@click.option(
+    "--liveness",
+    is_flag=True,
+    help="Check only the heartbeat, not the broker and database (for liveness probes).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.pass_context
+def health_command(
+    context: click.Context,
+    role: HealthRole | None,
+    timeout_s: float,
+    max_age_s: float,
+    liveness: bool,
+    as_json: bool,
+) -> None:
+    """Exit 0 if alive and the broker and database answer; else print why and exit 1.
+
+    Cheap enough for a probe every 10 s, and answers while the worker is busy: it reads the
+    heartbeat file's mtime, PINGs Redis and runs SELECT 1, without asking the worker anything.
+    """
+    if liveness and role is None:
+        raise click.UsageError("--liveness checks a heartbeat: give --worker or --dispatcher")
+    report = check_health(
+        _settings(context),
+        role,
+        timeout_s=timeout_s,
+        max_age_s=max_age_s,
+        dependencies=not liveness,
+    )
+    if as_json:
+        click.echo(json.dumps(report.as_dict()))
+    else:
+        click.echo(report.summary(), err=not report.ok)
+    if not report.ok:
+        context.exit(EXIT_UNHEALTHY)
+
+
+if __name__ == "__main__":
+    # `python -m relayr.health` is `relayr health` without the other commands' imports
+    health_command()
