@@ -29,7 +29,7 @@ from relayr.settings import Settings
 TENANT, WORKSPACE = "acme", "ops"
 REF = WorkspaceRef(TENANT, WORKSPACE)
 REQUEUE_AFTER_S = 60.0
-BACKOFF = timedelta(milliseconds=500)
+BACKOFF = timedelta(seconds=1)
 
 
 class DispatchTestEvent(Event, abstract=True, event_namespace="dispatchtest"):
@@ -225,7 +225,7 @@ async def test_a_running_run_whose_lease_lapsed_is_found(harness: Harness) -> No
     await harness.publish(Ping())
     _, [run_id] = await harness.dispatch()
     storage = harness.rules.storage
-    ttl = timedelta(milliseconds=300)
+    ttl = timedelta(seconds=1.5)
     assert await storage.acquire_lease(REF, run_lease(run_id), "killed-worker", ttl)
     async with storage.transaction(REF) as transaction:
         pending = await transaction.run(run_id)

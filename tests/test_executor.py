@@ -37,7 +37,7 @@ from relayr.settings import Settings
 
 TENANT, WORKSPACE = "acme", "ops"
 REF = WorkspaceRef(TENANT, WORKSPACE)
-BACKOFF = timedelta(milliseconds=100)
+BACKOFF = timedelta(milliseconds=400)
 
 
 class ExecTestEvent(Event, abstract=True, event_namespace="exectest"):
@@ -383,7 +383,7 @@ async def test_an_attempt_whose_executor_stopped_is_recorded_abandoned(harness: 
     """A worker killed mid-action leaves the run running, under a lease it no longer renews."""
     run_id = await harness.fire(Asked(mode="ok"))
     storage = harness.rules.storage
-    ttl = timedelta(milliseconds=300)
+    ttl = timedelta(seconds=1.5)
     assert await storage.acquire_lease(REF, run_lease(run_id), "killed-worker", ttl)
     async with storage.transaction(REF) as transaction:
         pending = await transaction.run(run_id)
