@@ -553,3 +553,78 @@ def test_transient_storage_errors_are_told_apart() -> None:
     assert is_transient(ConnectionResetError())
     assert not is_transient(IntegrityError("INSERT", {}, Exception("unique")))
     assert not is_transient(ValueError("no"))
+
+
+async def test_a_disabled_rules_run_waits(harness: Harness) -> None:
+    run_id = await harness.fire(Asked(mode="ok"))
+    disabled = [
+        r.model_copy(update={"enabled": False}) if r.name == "exec:work" else r for r in RULES
+    ]
+    paused = dataclasses.replace(
+        harness.application,
+        rules=RuleWorkspaces(harness.storage.rules, events=[Asked, Keyed, Timed], rules=disabled),
+    )
+
+    executed = await harness.execute(run_id, harness.redeployed(paused))
+
+    assert executed.outcome == "not_due"
+    assert executed.detail == f"run {run_id} waits: rule exec:work is disabled"
+    assert (await harness.run(run_id)).status == "pending"
+
+
+async def test_a_rule_refused_its_workspace_fails_for_good(harness: Harness) -> None:
+    run_id = await harness.fire(Asked(mode="ok"))
+
+    async def refuse_runs(
+        tenant_id: str, workspace_id: str | None, actor: Any, access: Any
+    ) -> bool:
+        return actor.kind != "agent"
+
+    guarded = dataclasses.replace(
+        harness.application,
+        rules=RuleWorkspaces(
+            harness.storage.rules, events=[Asked, Keyed, Timed], rules=RULES, authorize=refuse_runs
+        ),
+    )
+
+    executed = await harness.execute(run_id, harness.redeployed(guarded))
+
+    assert executed.outcome == "dead"
+    assert (await harness.run(run_id)).reason == "forbidden"
+    assert harness.gates.calls == 0
+
+
+async def test_an_executor_cancelled_by_its_caller_lets_the_next_claim_recover(
+    harness: Harness,
+) -> None:
+    """A time limit or a shutdown cancels the executor: its lease is released at once."""
+    run_id = await harness.fire(Asked(mode="wait"))
+    executing = asyncio.create_task(harness.execute(run_id))
+    await asyncio.wait_for(harness.gates.started.wait(), 5)
+
+    executing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await executing
+    recovered = await harness.execute(run_id, harness.other_worker())
+
+    assert recovered.outcome == "abandoned"
+    stored = await harness.run(run_id)
+    assert (stored.status, stored.attempts, stored.reason) == ("retrying", 1, "abandoned")
+
+
+class Answer(BaseModel):
+    answered: str
+
+
+async def test_a_model_output_is_stored_as_json(harness: Harness) -> None:
+    run_id = await harness.fire(Asked(mode="ok"))
+
+    async def answer(reaction: Reaction[Bridge]) -> Answer:
+        return Answer(answered=reaction.run_id)
+
+    answering = dataclasses.replace(harness.application, actions={**ACTIONS, "work": answer})
+
+    executed = await harness.execute(run_id, harness.redeployed(answering))
+
+    assert executed.outcome == "succeeded"
+    assert (await harness.run(run_id)).output == {"answered": run_id}
