@@ -23,9 +23,11 @@ type LogFormat = Literal["json", "console"]
 QUIET_LOGGERS: Final = {
     "celery.app.trace": logging.WARNING,
     "celery.worker.strategy": logging.WARNING,
+    "alembic.runtime.migration": logging.WARNING,
 }
-"""Celery's per-task lines ("received", "succeeded in 0.01s"): relayr's own lines say the same
-with the run's ids and outcome, so Celery's are kept for warnings and errors only."""
+"""Lines that say nothing relayr's own do not: Celery's per-task lines ("received", "succeeded
+in 0.01s"; relayr's say the same with the run's ids and outcome) and Alembic's chatter at every
+start of every process ("Context impl SQLiteImpl."). Their warnings and errors still show."""
 
 
 def configure_logging(

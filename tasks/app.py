@@ -32,6 +32,7 @@ from typing import Any, Final
 
 from celery import Celery
 
+from relayr.health import heartbeat_path, heartbeat_step
 from relayr.settings import Settings
 from tasks.runs import TASK_NAME
 from tasks.worker import process
@@ -56,10 +57,18 @@ def transport_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
+def broker_url(settings: Settings) -> str:
+    """The broker's URL; the embedded one gets a host name, or kombu warns on every connection
+    that it has none (the filesystem transport ignores it)."""
+    if settings.broker_url == "filesystem://":
+        return "filesystem://localhost/"
+    return settings.broker_url
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery's configuration for ``settings`` (see the module docstring for the why)."""
     return {
-        "broker_url": settings.broker_url,
+        "broker_url": broker_url(settings),
         "broker_transport_options": transport_options(settings),
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",
@@ -101,6 +110,8 @@ def create_celery(settings: Settings) -> Celery:
     global _current
     app = Celery("relayr", set_as_current=True, include=["tasks.runs"])
     app.conf.update(celery_config(settings))
+    # liveness for `relayr health --liveness`: the main process beats while its pool is busy
+    app.steps["worker"].add(heartbeat_step(heartbeat_path(settings.home, "worker")))
     process.configure(settings)
     _current = app
     return app

@@ -156,7 +156,7 @@ def _execute_run(self: Any, *args: object, **kwargs: object) -> str:
                     )
                 )
             else:
-                logger.info("run received")
+                logger.debug("run received")
                 executed = process.call(executor.execute_run(runtime, *ids.as_args()))
         except SoftTimeLimitExceeded:
             logger.warning(

@@ -171,6 +171,9 @@ class WorkerProcess:
             except Exception as error:  # a runtime that never started has nothing to close
                 logger.warning("worker runtime never started", error=str(error))
             else:
+                turns = len(runtime.bridge.turns.running())
+                if turns:
+                    logger.info("letting running turns finish", turns=turns, turn_grace_s=grace_s)
                 try:
                     loop.call(runtime.aclose(), timeout_s=grace_s + CLOSE_MARGIN_S)
                 except Exception:

@@ -1,0 +1,531 @@
+"""The ``relayr`` command: run the worker and the dispatcher, and try rules by hand.
+
+Every command reads the settings once from ``RELAYR_*`` (:class:`relayr.settings.Settings`), and
+commands that print data take ``--json``. Bad input (a malformed ``TENANT/WORKSPACE``, data that
+is not a JSON object, an unknown event type, invalid settings, allowlist or application) stops
+the command before it writes anything, with one line naming what is wrong and exit code 2.
+
+- ``relayr worker``: a Celery worker for relayr's run tasks (prefork: one event loop per pool
+  process, see :mod:`tasks.worker`).
+- ``relayr dispatch``: the dispatcher: evaluates rules and queues each due run once per attempt.
+- ``relayr run``: both on one machine: the dispatcher here and a worker in a subprocess.
+- ``relayr publish``, ``relayr thread create``, ``relayr thread show``: publish an event, open a
+  thread, read what the rules and the agent wrote in it.
+- ``relayr demo``: the example application end to end, with a summary that checks the counts.
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import IO, Any, Final, NoReturn
+
+import click
+from artifactr import UserActor as ArtifactUserActor
+from artifactr import Workspace as ArtifactWorkspace
+from artifactr.core import MessagePosted
+from artifactr.core import NotFound as ArtifactNotFound
+from reflexr import SourceActor
+from reflexr.core import Forbidden, NotFound, UnknownEvent, ValidationFailed, load_event
+
+from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
+from relayr.errors import RelayrError
+from relayr.health import health_command, heartbeat_path, touch_heartbeat
+from relayr.logging import configure_logging
+from relayr.ops_cli import allowlist_group, runs_group
+from relayr.runtime import Role, Runtime
+from relayr.settings import PREFIX, Settings
+
+EXIT_BAD_INPUT: Final = 2
+
+ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+"""What a tenant, workspace, thread or event id typed on the command line may look like: it
+keeps shell accidents (spaces, slashes, empty parts) out of the store."""
+
+PUBLISHER: Final = SourceActor(name="relayr-cli")
+"""Who publishes events from the command line, as reflexr records it."""
+
+CLI_USER: Final = ArtifactUserActor(id="relayr-cli", name="relayr CLI")
+"""Who creates threads and reads them from the command line, as artifactr records it."""
+
+WORKER_STOP_MARGIN_S: Final = 15.0
+"""Beyond the turns' grace, how long a stopping worker subprocess may take before it is
+killed (its pool processes close their runtimes one after the other)."""
+
+
+class BadInput(click.ClickException):
+    """Raised when a command's input or settings cannot be used: one line, exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+@dataclass(frozen=True)
+class ThreadEntry:
+    """One message of a thread, as ``relayr thread show`` prints it."""
+
+    id: str
+    kind: str
+    author: str
+    content: str
+    seq: int
+
+
+def parse_where(value: str) -> tuple[str, str]:
+    """Split ``TENANT/WORKSPACE``; raise :class:`BadInput` naming the problem."""
+    tenant, slash, workspace = value.partition("/")
+    if not slash or not ID_PATTERN.fullmatch(tenant) or not ID_PATTERN.fullmatch(workspace):
+        raise BadInput(
+            f"TENANT/WORKSPACE {value!r} is malformed: expected two ids joined by '/', "
+            "such as acme/ops (letters, digits and . _ : @ -)"
+        )
+    return tenant, workspace
+
+
+def parse_id(kind: str, value: str) -> str:
+    if not ID_PATTERN.fullmatch(value):
+        raise BadInput(f"{kind} {value!r} is malformed: letters, digits and . _ : @ - only")
+    return value
+
+
+def parse_data(value: str) -> dict[str, Any]:
+    """Read ``--data`` as a JSON object; raise :class:`BadInput` naming the problem."""
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise BadInput(f"--data is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"--data must be a JSON object, not {type(data).__name__}")
+    if "type" in data:
+        raise BadInput("--data must not contain 'type': the event type is the EVENT_TYPE argument")
+    return data
+
+
+def load_settings() -> Settings:
+    """Read the settings; invalid ones stop the command with exit code 2."""
+    try:
+        return Settings.from_env()
+    except RelayrError as error:
+        raise BadInput(error.message) from None
+
+
+def child_environment(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker subprocess: this one's, with ``overrides`` for ``RELAYR_*``.
+
+    With overrides, every other ``RELAYR_*`` variable is left out, so the child runs on exactly
+    the settings given (the demo's embedded defaults) and not on the caller's.
+    """
+    # Read only to pass on to a child process; relayr's own settings come from Settings.
+    environment = dict(os.environ)
+    if overrides is not None:
+        environment = {k: v for k, v in environment.items() if not k.startswith(PREFIX)}
+        environment.update(overrides)
+    return environment
+
+
+def in_runtime[T](
+    settings: Settings, work: Callable[[Runtime], Awaitable[T]], *, role: Role = "cli"
+) -> T:
+    """Run ``work`` on a runtime of this process, in this process's one loop, then close it."""
+
+    async def main() -> T:
+        try:
+            runtime = await Runtime.start(settings, role=role)
+        except RelayrError as error:
+            raise BadInput(error.message) from None
+        async with runtime:
+            return await work(runtime)
+
+    return asyncio.run(main())
+
+
+async def read_thread(workspace: ArtifactWorkspace, thread_id: str) -> list[ThreadEntry]:
+    """Every message of a thread, in order: people's, the rules' and the agent's."""
+    entries = []
+    for envelope in await workspace.read(threads={thread_id}):
+        event = envelope.event
+        if isinstance(event, MessagePosted) and event.thread_id == thread_id:
+            entries.append(
+                ThreadEntry(
+                    id=event.message_id,
+                    kind=event.kind,
+                    author=envelope.actor.participant,
+                    content=event.content,
+                    seq=envelope.seq,
+                )
+            )
+    return entries
+
+
+def format_entry(entry: ThreadEntry) -> str:
+    marker = "[notice]" if entry.kind == "notice" else "[message]"
+    content = entry.content.replace("\n", "\n    ")
+    return f"#{entry.seq} {marker} {entry.author} ({entry.id})\n    {content}"
+
+
+def echo_json(value: object) -> None:
+    click.echo(json.dumps(value, ensure_ascii=False))
+
+
+class WorkerProcessHandle:
+    """A ``relayr worker`` subprocess, in a session of its own so it can be stopped whole."""
+
+    def __init__(
+        self,
+        *,
+        concurrency: int,
+        loglevel: str = "INFO",
+        environment: Mapping[str, str] | None = None,
+        output: IO[Any] | None = None,
+    ) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "relayr.cli",
+            "worker",
+            "--concurrency",
+            str(concurrency),
+            "--loglevel",
+            loglevel,
+        ]
+        self.process = subprocess.Popen(
+            command,
+            env=dict(environment) if environment is not None else None,
+            stdout=output,
+            stderr=subprocess.STDOUT if output is not None else None,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout_s: float) -> int:
+        """Warm shutdown (SIGTERM): running tasks finish, turns get their grace; then SIGKILL."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.wait()
+
+
+def fail(message: str) -> NoReturn:
+    raise BadInput(message)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """relayr: reflexr rules run on Celery workers and act in artifactr threads.
+
+    Settings come from RELAYR_* environment variables; with none set, everything is embedded
+    under .relayr/ (SQLite, and a broker in folders), and no server is needed.
+    """
+
+
+@cli.command()
+@click.option(
+    "--concurrency",
+    "-c",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Pool processes: runs executed at once.",
+)
+@click.option(
+    "--loglevel",
+    "-l",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+@click.option(
+    "--hostname",
+    "-n",
+    default="relayr@%h",
+    show_default=True,
+    help="The worker's node name (Celery's %h is this host).",
+)
+@click.option(
+    "--pool",
+    "-P",
+    default="prefork",
+    show_default=True,
+    type=click.Choice(["prefork", "solo"]),
+    help="prefork in production: time limits only work there.",
+)
+def worker(concurrency: int, loglevel: str, hostname: str, pool: str) -> None:
+    """Run a Celery worker for relayr's run tasks (the queue is RELAYR_QUEUE)."""
+    settings = load_settings()
+    from tasks.app import create_celery
+
+    app = create_celery(settings)
+    app.worker_main(
+        [
+            "worker",
+            f"--queues={settings.queue}",
+            f"--concurrency={concurrency}",
+            f"--loglevel={loglevel.upper()}",
+            f"--hostname={hostname}",
+            f"--pool={pool}",
+            "--without-gossip",
+            "--without-mingle",
+        ]
+    )
+
+
+class BeatingDispatcher(Dispatcher):
+    """A dispatcher that refreshes its heartbeat after each pass that ended, for
+    ``relayr health --role dispatcher``: a pass stuck on storage stops the beat."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__(runtime)
+        self.heartbeat = heartbeat_path(runtime.settings.home, "dispatcher")
+
+    async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
+        done = await super().pass_once(enqueue)
+        touch_heartbeat(self.heartbeat)
+        return done
+
+
+async def serve_dispatcher(runtime: Runtime, stop: asyncio.Event) -> None:
+    """Run the dispatcher on ``runtime`` until ``stop`` is set, queueing runs on Celery."""
+    from tasks.app import create_celery
+    from tasks.runs import RunIds, send_run
+
+    app = create_celery(runtime.settings)
+    queue = runtime.settings.queue
+
+    async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
+        send_run(app, queue, RunIds(tenant_id, workspace_id, run_id))
+
+    dispatcher = BeatingDispatcher(runtime)
+    try:
+        await dispatcher.serve(enqueue, stop)
+    finally:
+        dispatcher.heartbeat.unlink(missing_ok=True)
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+
+
+@cli.command()
+def dispatch() -> None:
+    """Run the dispatcher: evaluate rules, queue due runs for the workers (until Ctrl-C)."""
+    settings = load_settings()
+    configure_logging(settings.log_format)
+
+    async def work(runtime: Runtime) -> None:
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+        await serve_dispatcher(runtime, stop)
+
+    in_runtime(settings, work, role="dispatcher")
+
+
+@cli.command()
+@click.option(
+    "--concurrency",
+    "-c",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="The worker's pool processes.",
+)
+def run(concurrency: int) -> None:
+    """Run the main job on one machine: the dispatcher here, a worker in a subprocess."""
+    settings = load_settings()
+    configure_logging(settings.log_format)
+    handle = WorkerProcessHandle(concurrency=concurrency)
+    code = 0
+    try:
+
+        async def work(runtime: Runtime) -> None:
+            nonlocal code
+            stop = asyncio.Event()
+            stop_on_signals(stop)
+            dispatcher = asyncio.create_task(serve_dispatcher(runtime, stop))
+            while not stop.is_set() and not dispatcher.done():
+                if not handle.alive():
+                    click.echo(f"the worker exited ({handle.process.returncode})", err=True)
+                    code = 1
+                    stop.set()
+                await asyncio.sleep(0.5)
+            stop.set()
+            await dispatcher
+
+        in_runtime(settings, work, role="dispatcher")
+    finally:
+        handle.stop(settings.turn_grace_s + WORKER_STOP_MARGIN_S)
+    sys.exit(code)
+
+
+@cli.command()
+@click.argument("where", metavar="TENANT/WORKSPACE")
+@click.argument("event_type")
+@click.option(
+    "--data",
+    "data_text",
+    default="{}",
+    show_default=True,
+    help="The event's fields, as a JSON object.",
+)
+@click.option(
+    "--id",
+    "event_id",
+    default=None,
+    help="The event's id: publishing an id again adds nothing (idempotent).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def publish(
+    where: str, event_type: str, data_text: str, event_id: str | None, as_json: bool
+) -> None:
+    """Publish an event into a workspace's log; the dispatcher evaluates the rules on it.
+
+    Example: relayr publish acme/ops deploy:finished --data '{"service": "api",
+    "status": "succeeded", "thread_id": "thr_..."}'
+    """
+    tenant, workspace = parse_where(where)
+    data = parse_data(data_text)
+    if event_id is not None:
+        parse_id("--id", event_id)
+    settings = load_settings()
+    configure_logging(settings.log_format, level="WARNING")
+
+    async def work(runtime: Runtime) -> dict[str, Any]:
+        try:
+            event = load_event({"type": event_type, **data})
+        except ValidationFailed as invalid:
+            fail(f"invalid {event_type} event: {invalid.message}")
+        if isinstance(event, UnknownEvent):
+            fail(f"unknown event type {event_type!r}")
+        handle = await runtime.application.rules.open(tenant, workspace, actor=PUBLISHER)
+        try:
+            published = await handle.publish(event, id=event_id)
+        except NotFound:
+            fail(f"event type {event_type!r} is not one this application accepts")
+        except Forbidden as refused:
+            fail(f"event type {event_type!r} cannot be published: {refused.message}")
+        envelope = published.envelope
+        return {
+            "id": envelope.id,
+            "seq": envelope.seq,
+            "type": event_type,
+            "duplicate": published.duplicate,
+        }
+
+    result = in_runtime(settings, work)
+    if as_json:
+        echo_json(result)
+    else:
+        again = " (already published: nothing added)" if result["duplicate"] else ""
+        click.echo(f"published {event_type} {result['id']} at seq {result['seq']}{again}")
+
+
+@cli.group()
+def thread() -> None:
+    """Create artifactr threads and read them."""
+
+
+@thread.command("create")
+@click.argument("where", metavar="TENANT/WORKSPACE")
+@click.option("--title", required=True, help="The thread's title.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"id": ...}.')
+def thread_create(where: str, title: str, as_json: bool) -> None:
+    """Create a thread and print its id."""
+    tenant, workspace = parse_where(where)
+    settings = load_settings()
+    configure_logging(settings.log_format, level="WARNING")
+
+    async def work(runtime: Runtime) -> str:
+        handle = await runtime.application.artifacts.open(tenant, workspace, actor=CLI_USER)
+        return (await handle.create_thread(title)).id
+
+    thread_id = in_runtime(settings, work)
+    if as_json:
+        echo_json({"id": thread_id})
+    else:
+        click.echo(thread_id)
+
+
+@thread.command("show")
+@click.argument("where", metavar="TENANT/WORKSPACE")
+@click.argument("thread_id", metavar="THREAD")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print a JSON list of {id, kind, author, content, seq}."
+)
+def thread_show(where: str, thread_id: str, as_json: bool) -> None:
+    """Print every message of a thread: notices, messages and the agent's replies."""
+    tenant, workspace = parse_where(where)
+    parse_id("THREAD", thread_id)
+    settings = load_settings()
+    configure_logging(settings.log_format, level="WARNING")
+
+    async def work(runtime: Runtime) -> list[ThreadEntry]:
+        handle = await runtime.application.artifacts.open(tenant, workspace, actor=CLI_USER)
+        try:
+            await handle.thread(thread_id)
+        except ArtifactNotFound:
+            fail(f"thread {thread_id} does not exist in {tenant}/{workspace}")
+        return await read_thread(handle, thread_id)
+
+    entries = in_runtime(settings, work)
+    if as_json:
+        echo_json([asdict(entry) for entry in entries])
+    else:
+        for entry in entries:
+            click.echo(format_entry(entry))
+
+
+@cli.command()
+@click.option(
+    "--runs",
+    "runs",
+    type=click.IntRange(min=2),
+    default=12,
+    show_default=True,
+    help="How many events to publish (a quarter are incidents, the rest deploys).",
+)
+@click.option(
+    "--concurrency",
+    "-c",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="The worker's pool processes.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1),
+    default=180.0,
+    show_default=True,
+    help="Seconds to wait for every run and turn to end.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print only the summary, as one JSON line.")
+def demo(runs: int, concurrency: int, timeout_s: float, as_json: bool) -> None:
+    """Run the example application end to end with a real worker, then check the counts."""
+    from relayr.demo import run_demo
+
+    sys.exit(run_demo(runs=runs, concurrency=concurrency, timeout_s=timeout_s, as_json=as_json))
+
+
+cli.add_command(allowlist_group)
+cli.add_command(runs_group)
+cli.add_command(health_command)
+
+
+def main() -> None:
+    """The console script ``relayr``."""
+    cli(prog_name="relayr")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""The demo: the example application end to end, on embedded defaults, with a real worker.
+
+``relayr demo`` (and ``make demo``) starts from a fresh home of its own under
+``.relayr/demo-<time>-<pid>`` (so a second run starts clean), starts a ``relayr worker``
+subprocess, creates threads, publishes a mix of the example's two events (``deploy:finished``,
+whose rule posts a notice; ``incident:opened``, whose rule sends a message that starts an agent
+turn), runs the dispatcher in this process until every run and every turn has ended (bounded by
+a timeout), prints each thread's transcript and a summary, and exits 1 if any count is off.
+
+The pieces (:func:`publish_scenario`, :func:`wait_until_done`, :class:`Tally`) are the same ones
+the integration tests use against real workers on Redis and the filesystem broker, so what the
+demo checks is what the tests assert.
+"""
+
+import asyncio
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import click
+from artifactr import Workspace as ArtifactWorkspace
+from artifactr.core import MessagePosted, RunEnded
+from reflexr import SourceActor
+from reflexr.core import FINISHED, load_event
+from reflexr.workspace import Workspace as RuleWorkspace
+
+from relayr.cli import (
+    CLI_USER,
+    WorkerProcessHandle,
+    child_environment,
+    format_entry,
+    read_thread,
+    serve_dispatcher,
+)
+from relayr.logging import configure_logging
+from relayr.runtime import Runtime
+from relayr.settings import Settings
+
+TENANT: Final = "demo"
+WORKSPACE: Final = "ops"
+
+RULE_AUTHOR_PREFIX: Final = "external_agent:reflexr:"
+"""How a rule's writes are authored in artifactr: ``external_agent:reflexr:<rule>``."""
+
+AGENT_AUTHOR_PREFIX: Final = "agent:"
+
+DEPLOYS_PER_THREAD: Final = 10
+"""How many deploy notices share one thread: enough to read like a channel."""
+
+POLL_INTERVAL_S: Final = 0.2
+"""How often the demo looks at the runs and the threads while it waits."""
+
+DISPATCH_INTERVAL_S: Final = 0.2
+"""The demo's dispatcher pass interval: shorter than the default, so a small demo is quick."""
+
+DEMO_PUBLISHER: Final = SourceActor(name="relayr-demo")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a scenario publishes: ``deploys`` notices' worth of events and ``incidents`` turns'."""
+
+    deploys: int
+    incidents: int
+
+    @classmethod
+    def of(cls, runs: int) -> "Plan":
+        """A quarter incidents (at least one), the rest deploys."""
+        incidents = max(1, runs // 4)
+        return cls(deploys=runs - incidents, incidents=incidents)
+
+    @property
+    def runs(self) -> int:
+        return self.deploys + self.incidents
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What :func:`publish_scenario` made: the threads, and the events' ids."""
+
+    threads: tuple[str, ...]
+    event_ids: tuple[str, ...]
+
+
+async def publish_scenario(
+    runtime: Runtime,
+    tenant_id: str,
+    workspace_id: str,
+    plan: Plan,
+    *,
+    prefix: str = "demo",
+) -> Scenario:
+    """Create threads and publish ``plan``'s events into one workspace.
+
+    Deploys share threads (:data:`DEPLOYS_PER_THREAD` each); each incident has a thread of its
+    own, so each message starts a turn of its own (messages of one author in a busy thread would
+    steer the turn already running instead). Event ids are derived from ``prefix``, so
+    publishing the same scenario twice adds nothing.
+    """
+    artifacts = await runtime.application.artifacts.open(tenant_id, workspace_id, actor=CLI_USER)
+    deploy_threads = [
+        (await artifacts.create_thread(f"deploys {index + 1}")).id
+        for index in range(-(-plan.deploys // DEPLOYS_PER_THREAD))
+    ]
+    incident_threads = [
+        (await artifacts.create_thread(f"incident {index + 1}")).id
+        for index in range(plan.incidents)
+    ]
+    events, ids = [], []
+    for index in range(plan.deploys):
+        thread_id = deploy_threads[index // DEPLOYS_PER_THREAD]
+        status = "failed" if index % 5 == 4 else "succeeded"
+        data = {"service": f"svc-{index + 1:03d}", "status": status, "thread_id": thread_id}
+        events.append(load_event({"type": "deploy:finished", **data}))
+        ids.append(f"{prefix}-deploy-{index + 1}")
+    for index, thread_id in enumerate(incident_threads):
+        data = {"title": f"checkout errors #{index + 1}", "thread_id": thread_id}
+        events.append(load_event({"type": "incident:opened", **data}))
+        ids.append(f"{prefix}-incident-{index + 1}")
+    rules = await runtime.application.rules.open(tenant_id, workspace_id, actor=DEMO_PUBLISHER)
+    await rules.publish_many(events, ids=ids)
+    return Scenario(threads=(*deploy_threads, *incident_threads), event_ids=tuple(ids))
+
+
+@dataclass
+class Tally:
+    """What rules and the agent wrote in a workspace, read from its log as it grows."""
+
+    after_seq: int = 0
+    entries: dict[str, list[MessagePosted]] = field(default_factory=dict)
+    authors: dict[str, str] = field(default_factory=dict)
+    seqs: dict[str, int] = field(default_factory=dict)
+    ids: Counter[str] = field(default_factory=Counter)
+    rule_texts: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    notices: int = 0
+    messages: int = 0
+    replies: int = 0
+    turns: int = 0
+    turns_failed: int = 0
+
+    async def read(self, workspace: ArtifactWorkspace) -> None:
+        """Take in what the workspace's log gained since the last read."""
+        for envelope in await workspace.read(after_seq=self.after_seq):
+            self.after_seq = max(self.after_seq, envelope.seq)
+            event = envelope.event
+            author = envelope.actor.participant
+            if isinstance(event, MessagePosted):
+                self.ids[event.message_id] += 1
+                if author.startswith(RULE_AUTHOR_PREFIX):
+                    self.rule_texts[(event.thread_id, author, event.content)] += 1
+                    if event.kind == "notice":
+                        self.notices += 1
+                    else:
+                        self.messages += 1
+                elif author.startswith(AGENT_AUTHOR_PREFIX):
+                    self.replies += 1
+            elif isinstance(event, RunEnded):
+                if event.status == "completed":
+                    self.turns += 1
+                else:
+                    self.turns_failed += 1
+
+    @property
+    def duplicates(self) -> int:
+        """Message ids posted twice, plus rule texts posted twice by one rule in one thread."""
+        twice_ids = sum(count - 1 for count in self.ids.values() if count > 1)
+        twice_texts = sum(count - 1 for count in self.rule_texts.values() if count > 1)
+        return twice_ids + twice_texts
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a scenario stands: its runs by status, and the tally of its writes."""
+
+    statuses: Mapping[str, int]
+    tally: Tally
+
+    @property
+    def finished(self) -> int:
+        return sum(count for status, count in self.statuses.items() if status in FINISHED)
+
+
+async def wait_until_done(
+    rules: RuleWorkspace,
+    artifacts: ArtifactWorkspace,
+    plan: Plan,
+    *,
+    timeout_s: float,
+    poll_interval_s: float = POLL_INTERVAL_S,
+) -> tuple[Progress, float | None]:
+    """Wait until ``plan.runs`` runs have finished and every incident's turn has ended.
+
+    Returns the progress and how long the runs took to finish (None if they did not in time).
+    """
+    tally = Tally()
+    started = time.monotonic()
+    deadline = started + timeout_s
+    runs_done_s: float | None = None
+    while True:
+        statuses: Counter[str] = Counter(run.status for run in await rules.runs())
+        await tally.read(artifacts)
+        progress = Progress(statuses, tally)
+        if runs_done_s is None and progress.finished >= plan.runs:
+            runs_done_s = time.monotonic() - started
+        turns_done = tally.turns + tally.turns_failed >= plan.incidents
+        if (runs_done_s is not None and turns_done) or time.monotonic() >= deadline:
+            return progress, runs_done_s
+        await asyncio.sleep(poll_interval_s)
+
+
+def summarize(plan: Plan, progress: Progress, runs_done_s: float | None) -> dict[str, Any]:
+    """The summary the demo prints, with the expected counts and what is off."""
+    tally = progress.tally
+    counts = {
+        "runs_succeeded": progress.statuses.get("succeeded", 0),
+        "notices": tally.notices,
+        "messages": tally.messages,
+        "turns": tally.turns,
+        "duplicates": tally.duplicates,
+    }
+    expected = {
+        "runs_succeeded": plan.runs,
+        "notices": plan.deploys,
+        "messages": plan.incidents,
+        "turns": plan.incidents,
+        "duplicates": 0,
+    }
+    problems = [
+        f"{name}: {counts[name]}, expected {expected[name]}"
+        for name in expected
+        if counts[name] != expected[name]
+    ]
+    if runs_done_s is None:
+        problems.append("the runs did not all finish in time")
+    return {
+        "runs": plan.runs,
+        **counts,
+        "replies": tally.replies,
+        "turns_failed": tally.turns_failed,
+        "runs_by_status": dict(sorted(progress.statuses.items())),
+        "elapsed_s": None if runs_done_s is None else round(runs_done_s, 3),
+        "runs_per_s": None if not runs_done_s else round(plan.runs / runs_done_s, 2),
+        "expected": expected,
+        "problems": problems,
+        "ok": not problems,
+    }
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    summary: dict[str, Any]
+    transcripts: Mapping[str, Sequence[Any]]
+
+
+def demo_home(base: Path = Path(".relayr")) -> Path:
+    """A fresh home for one demo run: ``.relayr/demo-<time>-<pid>``."""
+    return (base / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}").absolute()
+
+
+def example_allowlist() -> Path:
+    """The example application's allowlist, next to its rules, wherever relayr is installed."""
+    import rules
+
+    for folder in rules.__path__:
+        candidate = Path(folder) / "allowlist.toml"
+        if candidate.is_file():
+            return candidate
+    return Path("rules/allowlist.toml")
+
+
+def demo_environment(home: Path) -> dict[str, str]:
+    """The demo's settings, as ``RELAYR_*`` variables: embedded defaults in ``home``.
+
+    The example application and its allowlist are the package's own, whatever the caller's
+    ``RELAYR_*`` variables say and wherever the demo is started from.
+    """
+    return {
+        "RELAYR_HOME": str(home),
+        "RELAYR_ALLOWLIST": str(example_allowlist()),
+        "RELAYR_DISPATCH_INTERVAL_S": str(DISPATCH_INTERVAL_S),
+        "RELAYR_LOG_FORMAT": "json",
+    }
+
+
+async def run_scenario(
+    settings: Settings,
+    plan: Plan,
+    *,
+    timeout_s: float,
+    serve: Callable[[Runtime, asyncio.Event], Coroutine[Any, Any, None]] = serve_dispatcher,
+    tenant_id: str = TENANT,
+    workspace_id: str = WORKSPACE,
+) -> DemoResult:
+    """Publish ``plan`` and dispatch in this process until every run and turn ended.
+
+    Workers must be running elsewhere (on the same broker and database). ``serve`` is the
+    dispatcher loop; tests pass one that enqueues every run twice.
+    """
+    runtime = await Runtime.start(settings, role="dispatcher")
+    async with runtime:
+        stop = asyncio.Event()
+        dispatcher = asyncio.create_task(serve(runtime, stop))
+        try:
+            scenario = await publish_scenario(runtime, tenant_id, workspace_id, plan)
+            rules = await runtime.application.rules.open(
+                tenant_id, workspace_id, actor=DEMO_PUBLISHER
+            )
+            artifacts = await runtime.application.artifacts.open(
+                tenant_id, workspace_id, actor=CLI_USER
+            )
+            progress, runs_done_s = await wait_until_done(
+                rules, artifacts, plan, timeout_s=timeout_s
+            )
+        finally:
+            stop.set()
+            await dispatcher
+        summary = summarize(plan, progress, runs_done_s)
+        transcripts = {
+            thread_id: await read_thread(artifacts, thread_id) for thread_id in scenario.threads
+        }
+    return DemoResult(summary, transcripts)
+
+
+def print_transcripts(transcripts: Mapping[str, Sequence[Any]]) -> None:
+    for thread_id, entries in transcripts.items():
+        click.echo(f"== thread {thread_id}")
+        for entry in entries:
+            click.echo(format_entry(entry))
+        click.echo("")
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    click.echo("== summary")
+    for name in ("runs", "runs_succeeded", "notices", "messages", "turns", "replies"):
+        click.echo(f"{name:>15}: {summary[name]}")
+    click.echo(f"{'duplicates':>15}: {summary['duplicates']}")
+    click.echo(f"{'runs/s':>15}: {summary['runs_per_s']} ({summary['elapsed_s']} s end to end)")
+    if summary["ok"]:
+        click.echo("every count is as expected")
+    else:
+        for problem in summary["problems"]:
+            click.echo(f"OFF: {problem}")
+
+
+def run_demo(*, runs: int, concurrency: int, timeout_s: float, as_json: bool) -> int:
+    """``relayr demo``: returns the exit code (0 when every count is as expected)."""
+    home = demo_home()
+    home.mkdir(parents=True, exist_ok=True)
+    environment = demo_environment(home)
+    settings = Settings.from_env(environment)
+    configure_logging(settings.log_format, level="WARNING")
+    plan = Plan.of(runs)
+    log_path = home / "worker.log"
+    if not as_json:
+        click.echo(
+            f"demo: {plan.deploys} deploy:finished + {plan.incidents} incident:opened events, "
+            f"a worker of {concurrency} processes; home {home} (worker log: {log_path})"
+        )
+    with log_path.open("ab") as log:
+        worker = WorkerProcessHandle(
+            concurrency=concurrency, environment=child_environment(environment), output=log
+        )
+        try:
+            result = asyncio.run(run_scenario(settings, plan, timeout_s=timeout_s))
+        finally:
+            worker.stop(settings.turn_grace_s + 15.0)
+    summary = {**result.summary, "home": str(home)}
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        print_transcripts(result.transcripts)
+        print_summary(summary)
+    return 0 if summary["ok"] else 1

@@ -1,0 +1,85 @@
+"""Applications of the tests' own, named by ``RELAYR_APP`` in worker subprocesses.
+
+- :func:`create_slow_app`: the example application, with an offline agent that takes
+  :data:`SLOW_TURN_S` to answer, so a test can stop a worker while turns run.
+- :func:`create_crashing_app`: one rule whose action kills the pool process running it, as an
+  out-of-memory kill would, to drive the bounded redelivery (ADR-0011).
+"""
+
+import asyncio
+import dataclasses
+import os
+import signal
+from typing import Any
+
+from artifactr import MarkdownArtifact
+from artifactr import Workspaces as ArtifactWorkspaces
+from artifactr.agent import ArtifactWorkspace, Session, function_model
+from pydantic_ai import Agent, ModelResponse, TextPart
+from reflexr import Event, RetryPolicy, Rule, on, run
+from reflexr.workspace import Reaction
+from reflexr.workspace import Workspaces as RuleWorkspaces
+
+from relayr.application import Application, open_storage
+from relayr.settings import Settings
+
+SLOW_TURN_S = 4.0
+"""How long the slow agent thinks before it answers: long enough to SIGTERM its worker while
+the turn runs, well within the grace the test gives."""
+
+
+class SlowNote(MarkdownArtifact):
+    """The artifact kind the slow agent's workspace capability knows (it writes none)."""
+
+
+async def _slow_answer(messages: Any, info: Any) -> ModelResponse:
+    await asyncio.sleep(SLOW_TURN_S)
+    return ModelResponse(parts=[TextPart("triaged, slowly")])
+
+
+async def create_slow_app(settings: Settings) -> Application:
+    """The example application with a slow offline agent."""
+    from rules.example import create_app
+
+    application = await create_app(settings)
+    agent = Agent(
+        function_model(_slow_answer),
+        deps_type=Session[Any],
+        capabilities=[ArtifactWorkspace(types=[SlowNote])],
+    )
+    return dataclasses.replace(application, agent=agent)
+
+
+class CrashEvent(Event, abstract=True, event_namespace="crashtest"):
+    """Events of the crashing application."""
+
+
+class Crash(CrashEvent, name="crash"):
+    """Makes the rule ``test:crash`` fire."""
+
+    label: str
+
+
+async def _crash(reaction: Reaction[Any]) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+CRASH_RULE = Rule(
+    name="test:crash",
+    when=on(Crash),
+    then=run("crash"),
+    ordering="none",
+    start="beginning",
+    retry=RetryPolicy(max_attempts=5),
+)
+
+
+async def create_crashing_app(settings: Settings) -> Application:
+    """One rule, ``test:crash``, whose action kills its own process."""
+    storage = await open_storage(settings)
+    return Application(
+        artifacts=ArtifactWorkspaces(storage.artifacts),
+        rules=RuleWorkspaces(storage.rules, events=[Crash], rules=[CRASH_RULE]),
+        actions={"crash": _crash},
+        engines=storage.engines,
+    )
