@@ -41,6 +41,7 @@ from artifactr.core import (
 from artifactr.workspace import ThreadBusy
 from reflexr.workspace import Reaction, RunFailure
 
+from relayr import metrics
 from relayr.allowlist import Allowlist
 from relayr.bridge import Bridge
 from relayr.emissions import EmissionKind, EmissionRecord, Outcome, Policy
@@ -285,11 +286,10 @@ class RunActions:
     def _thread(self, thread_id: str | None, operation: str) -> str:
         if thread_id is None:
             if not self._chain:
-                raise RunFailure(
+                raise _permanent(
                     f"run {self._run.id} of rule {self.rule} has no thread to {operation} in: "
                     "its events carry no thread_id and it created none",
-                    reason=NO_THREAD,
-                    permanent=True,
+                    NO_THREAD,
                 )
             return self._chain[0]
         if thread_id not in self._chain and self.allowlist.threads == "chain":
@@ -303,14 +303,14 @@ class RunActions:
 
     def _refuse(self, operation: str, message: str, **where: str) -> NotAllowed:
         self._log.warning("write refused", refused=operation, reason=NOT_ALLOWED, **where)
+        metrics.record_refusal(NOT_ALLOWED)
         return NotAllowed(message)
 
     def _message_id(self, thread: str, content: str) -> str:
         if not content.strip():
-            raise RunFailure(
+            raise _permanent(
                 f"run {self._run.id} of rule {self.rule} tried to post empty content",
-                reason=EMPTY_CONTENT,
-                permanent=True,
+                EMPTY_CONTENT,
             )
         return self._ids.next(
             "msg",
@@ -447,6 +447,7 @@ class RunActions:
             emitted_at=self._bridge.clock(),
         )
         await self._bridge.ledger.record_emission(record)
+        metrics.record_emission(kind, outcome)
         self._log.info(
             "emission",
             kind=kind,
@@ -468,7 +469,16 @@ def _failure(refused: Rejection, doing: str) -> RunFailure:
     if isinstance(refused, ThreadBusy):
         code = "thread_busy"
     retried = code in RETRIED_REJECTIONS or code == "thread_busy"
+    if not retried:
+        metrics.record_refusal(code)
+    logger.warning("write refused by artifactr", doing=doing, reason=code, retried=retried)
     return RunFailure(f"{doing}: {refused.message}", reason=code, permanent=not retried)
+
+
+def _permanent(message: str, reason: str) -> RunFailure:
+    """A failure no retry can fix, counted as a refusal."""
+    metrics.record_refusal(reason)
+    return RunFailure(message, reason=reason, permanent=True)
 
 
 def _canonical(data: Mapping[str, Any]) -> str:
@@ -480,7 +490,7 @@ def _pointer_value(data: Any, path: str) -> tuple[Any] | tuple[()]:
     if path == "":
         return (data,)
     if not path.startswith("/"):
-        raise RunFailure(f"{path!r} is not a JSON pointer", reason="invalid_path", permanent=True)
+        raise _permanent(f"{path!r} is not a JSON pointer", "invalid_path")
     node = data
     for raw in path[1:].split("/"):
         part = raw.replace("~1", "/").replace("~0", "~")

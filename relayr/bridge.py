@@ -14,6 +14,7 @@ from typing import Any
 from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.agent import RunHandle, Runner
 
+from relayr import metrics
 from relayr.allowlist import Allowlists
 from relayr.ledger.port import Ledger
 
@@ -29,8 +30,9 @@ class Turns:
     handles: set[RunHandle] = field(default_factory=set)
 
     def started(self, handle: RunHandle | None) -> None:
-        if handle is None:
+        if handle is None or handle in self.handles:
             return
+        metrics.record_turn_started()
         self.handles.add(handle)
         handle.task.add_done_callback(lambda _: self.handles.discard(handle))
 
