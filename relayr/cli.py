@@ -105,6 +105,16 @@ def parse_data(value: str) -> dict[str, Any]:
     return data
 
 
+def describe(errors: list[Any]) -> str:
+    """Pydantic's validation errors as one line: ``status: Field required; ...``."""
+    problems = []
+    for error in errors:
+        if isinstance(error, dict):
+            where = ".".join(str(part) for part in error.get("loc", ())) or "event"
+            problems.append(f"{where}: {error.get('msg', 'invalid')}")
+    return "; ".join(problems)
+
+
 def load_settings() -> Settings:
     """Read the settings; invalid ones stop the command with exit code 2."""
     try:
@@ -403,7 +413,7 @@ def publish(
         try:
             event = load_event({"type": event_type, **data})
         except ValidationFailed as invalid:
-            fail(f"invalid {event_type} event: {invalid.message}")
+            fail(f"invalid {event_type} event: {describe(invalid.errors) or invalid.message}")
         if isinstance(event, UnknownEvent):
             fail(f"unknown event type {event_type!r}")
         handle = await runtime.application.rules.open(tenant, workspace, actor=PUBLISHER)

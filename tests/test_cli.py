@@ -1,0 +1,244 @@
+"""The ``relayr`` command: bad input is refused in one line, and a person can try a rule by hand.
+
+Bad input runs in this process (click's runner) on a home of the test's own, and checks that
+nothing was written. Trying a rule by hand runs ``relayr run`` (the dispatcher and a real worker
+subprocess) and drives it with ``relayr thread create``, ``relayr publish`` and
+``relayr thread show --json``, as the README tells a person to.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from reflexr import SourceActor
+
+from relayr.cli import cli
+from relayr.runtime import Runtime
+from relayr.settings import Settings
+from tests.workers import REPO, relayr_environment
+
+SUBCOMMANDS = [
+    [],
+    ["worker"],
+    ["dispatch"],
+    ["run"],
+    ["publish"],
+    ["thread"],
+    ["thread", "create"],
+    ["thread", "show"],
+    ["demo"],
+]
+
+
+@pytest.fixture
+def environment(tmp_path: Path) -> dict[str, str]:
+    return relayr_environment(tmp_path)
+
+
+def invoke(environment: dict[str, str], *args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), env=environment, catch_exceptions=False)
+
+
+def assert_refused(result: Result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: ")
+    assert message in lines[0]
+
+
+def events_in(environment: dict[str, str], tenant: str, workspace: str) -> int:
+    async def count() -> int:
+        runtime = await Runtime.start(Settings.from_env(environment), role="cli")
+        async with runtime:
+            log = await runtime.application.rules.open(
+                tenant, workspace, actor=SourceActor(name="test")
+            )
+            return len(await log.read())
+
+    return asyncio.run(count())
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS, ids=lambda c: " ".join(c) or "relayr")
+def test_every_command_has_help(command: list[str]) -> None:
+    result = CliRunner().invoke(cli, [*command, "--help"])
+    assert result.exit_code == 0
+    assert "Usage: " in result.output
+
+
+# ─── bad input ────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["publish", "acme", "deploy:finished"], "TENANT/WORKSPACE 'acme' is malformed"),
+        (["publish", "acme/", "deploy:finished"], "TENANT/WORKSPACE 'acme/' is malformed"),
+        (["publish", "a b/ops", "deploy:finished"], "TENANT/WORKSPACE 'a b/ops' is malformed"),
+        (["publish", "acme/ops", "deploy:finished", "--data", "{"], "--data is not valid JSON"),
+        (["publish", "acme/ops", "deploy:finished", "--data", "[1]"], "must be a JSON object"),
+        (["publish", "acme/ops", "deploy:finished", "--id", "two words"], "--id 'two words'"),
+        (["thread", "create", "acme//ops", "--title", "x"], "is malformed"),
+        (["thread", "show", "acme/ops", "thr x"], "THREAD 'thr x' is malformed"),
+    ],
+)
+def test_malformed_arguments_are_refused_before_anything_opens(
+    environment: dict[str, str], args: list[str], message: str
+) -> None:
+    assert_refused(invoke(environment, *args), message)
+    assert not Path(environment["RELAYR_HOME"], "relayr.db").exists()
+
+
+@pytest.mark.parametrize(
+    ("event_type", "data", "message"),
+    [
+        ("deploy:started", {"service": "api"}, "unknown event type 'deploy:started'"),
+        ("deploy:finished", {"service": "api"}, "invalid deploy:finished event"),
+        ("deploy:finished", {"service": "api", "status": "ok", "thread_id": 7}, "thread_id"),
+        ("reflexr:run_succeeded", {}, "invalid reflexr:run_succeeded event"),
+    ],
+)
+def test_an_event_that_is_not_the_applications_is_refused_and_nothing_is_written(
+    environment: dict[str, str], event_type: str, data: dict[str, Any], message: str
+) -> None:
+    result = invoke(environment, "publish", "acme/ops", event_type, "--data", json.dumps(data))
+    assert_refused(result, message)
+    assert events_in(environment, "acme", "ops") == 0
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("RELAYR_SOFT_TIME_LIMIT_S", "5000", "the time limits are out of order"),
+        ("RELAYR_LOG_FORMAT", "xml", "RELAYR_LOG_FORMAT='xml' is invalid"),
+        ("RELAYR_BROKER_URL", "amqp://", "RELAYR_BROKER_URL='amqp://' is invalid"),
+        ("RELAYR_APP", "nowhere.at.all:create_app", "cannot be imported"),
+        ("RELAYR_ALLOWLIST", "/nonexistent/allowlist.toml", "allowlist"),
+    ],
+)
+def test_invalid_settings_are_refused_in_one_line(
+    environment: dict[str, str], variable: str, value: str, message: str
+) -> None:
+    data = json.dumps({"service": "api", "status": "ok", "thread_id": "thr_1"})
+    args = ["publish", "acme/ops", "deploy:finished", "--data", data]
+    assert_refused(invoke({**environment, variable: value}, *args), message)
+
+
+def test_an_unknown_thread_is_refused(environment: dict[str, str]) -> None:
+    result = invoke(environment, "thread", "show", "acme/ops", "thr_0000000000000000")
+    assert_refused(result, "thread thr_0000000000000000 does not exist in acme/ops")
+
+
+def test_publishing_an_id_again_adds_nothing(environment: dict[str, str]) -> None:
+    data = json.dumps({"service": "api", "status": "ok", "thread_id": "thr_1"})
+    args = ["publish", "acme/ops", "deploy:finished", "--data", data, "--id", "evt-1", "--json"]
+    first, second = invoke(environment, *args), invoke(environment, *args)
+    assert json.loads(first.stdout) == {
+        "id": "evt-1",
+        "seq": 1,
+        "type": "deploy:finished",
+        "duplicate": False,
+    }
+    assert json.loads(second.stdout)["duplicate"] is True
+    assert events_in(environment, "acme", "ops") == 1
+
+
+# ─── trying a rule by hand ────────────────────────────────────────────────────
+
+
+@pytest.fixture
+def relayr_run(environment: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """``relayr run``: the dispatcher here and a worker subprocess; stopped with Ctrl-C."""
+    log = Path(environment["RELAYR_HOME"]) / "run.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "relayr.cli", "run", "--concurrency", "1"],
+            cwd=REPO,
+            env=environment,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        with log.open() as text:
+            print(text.read()[-5000:])
+
+
+@pytest.mark.worker
+@pytest.mark.slow
+def test_a_person_tries_the_rules_by_hand(
+    environment: dict[str, str], relayr_run: subprocess.Popen[bytes]
+) -> None:
+    created = invoke(environment, "thread", "create", "acme/ops", "--title", "release", "--json")
+    assert created.exit_code == 0, created.output
+    thread_id = json.loads(created.stdout)["id"]
+
+    deploy = {"service": "api", "status": "succeeded", "thread_id": thread_id}
+    incident = {"title": "checkout errors", "thread_id": thread_id}
+    for event_type, data in (("deploy:finished", deploy), ("incident:opened", incident)):
+        published = invoke(
+            environment, "publish", "acme/ops", event_type, "--data", json.dumps(data)
+        )
+        assert published.exit_code == 0, published.output
+        assert published.stdout.startswith(f"published {event_type} ")
+
+    messages = wait_for_messages(environment, thread_id, count=3)
+    assert [(m["kind"], m["author"], m["content"]) for m in messages[:2]] == [
+        ("notice", "external_agent:reflexr:ops:deploy-notice", "deploy of api finished: succeeded"),
+        (
+            "message",
+            "external_agent:reflexr:ops:incident-triage",
+            "Triage incident: checkout errors",
+        ),
+    ]
+    assert messages[2]["kind"] == "message"
+    assert messages[2]["author"] == f"agent:{thread_id}"
+    assert all(set(m) == {"id", "kind", "author", "content", "seq"} for m in messages)
+    assert [m["seq"] for m in messages] == sorted(m["seq"] for m in messages)
+
+    shown = invoke(environment, "thread", "show", "acme/ops", thread_id)
+    assert "[notice] external_agent:reflexr:ops:deploy-notice" in shown.stdout
+
+    relayr_run.send_signal(signal.SIGINT)
+    assert relayr_run.wait(60) == 0
+
+
+def wait_for_messages(
+    environment: dict[str, str], thread_id: str, *, count: int, timeout_s: float = 90
+) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shown = invoke(environment, "thread", "show", "acme/ops", thread_id, "--json")
+        assert shown.exit_code == 0, shown.output
+        messages: list[dict[str, Any]] = json.loads(shown.stdout)
+        if len(messages) >= count:
+            return messages
+        assert time.monotonic() < deadline, messages
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("command", [["worker"], ["dispatch"], ["run"]], ids=" ".join)
+def test_a_long_running_command_with_invalid_settings_does_not_start(
+    environment: dict[str, str], command: list[str]
+) -> None:
+    environment = {**environment, "RELAYR_TIME_LIMIT_S": "99999"}
+    assert_refused(invoke(environment, *command), "the time limits are out of order")
