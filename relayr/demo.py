@@ -52,10 +52,10 @@ AGENT_AUTHOR_PREFIX: Final = "agent:"
 DEPLOYS_PER_THREAD: Final = 10
 """How many deploy notices share one thread: enough to read like a channel."""
 
-POLL_INTERVAL_S: Final = 0.2
+POLL_INTERVAL_S: Final = 1.0
 """How often the demo looks at the runs and the threads while it waits."""
 
-DISPATCH_INTERVAL_S: Final = 0.2
+DISPATCH_INTERVAL_S: Final = 0.5
 """The demo's dispatcher pass interval: shorter than the default, so a small demo is quick."""
 
 DEMO_PUBLISHER: Final = SourceActor(name="relayr-demo")

@@ -126,7 +126,7 @@ def _execute_run(self: Any, *args: object, **kwargs: object) -> str:
         ids = parse_ids(args, kwargs)
     except InvalidTask as invalid:
         logger.error("task refused", task_id=request.id, code=invalid.code, reason=invalid.message)
-        raise Reject(invalid.message, requeue=False) from None
+        raise Reject(invalid, requeue=False) from None
     settings = process.settings
     assert settings is not None, "tasks.app.create_celery configures the process"
     delivery = request.retries + 1

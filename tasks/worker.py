@@ -22,6 +22,7 @@ for it. A start that failed is tried again by the next task. See ADR-0010.
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import threading
 from collections.abc import Coroutine
@@ -29,7 +30,9 @@ from typing import Any, Final
 
 import structlog
 from celery import signals
+from celery.exceptions import Reject
 
+from relayr.errors import InvalidTask
 from relayr.logging import configure_logging
 from relayr.runtime import Runtime
 from relayr.settings import Settings
@@ -186,10 +189,20 @@ process: Final = WorkerProcess()
 """The one WorkerProcess of this process; :func:`tasks.app.create_celery` configures it."""
 
 
+class _RefusedTaskFilter(logging.Filter):
+    """Drops Celery's warning (with a traceback) about a task rejected as malformed: the task
+    has logged the one line that names the problem (:class:`relayr.errors.InvalidTask`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, Reject) and isinstance(error.reason, InvalidTask))
+
+
 def _setup_logging(loglevel: int | str | None = None, **_: object) -> None:
     """Take over Celery's logging setup, so the worker logs through structlog."""
     log_format = process.settings.log_format if process.settings is not None else "console"
     configure_logging(log_format, level=loglevel or "INFO")
+    logging.getLogger("celery.app.trace").addFilter(_RefusedTaskFilter())
 
 
 def _process_init(**_: object) -> None:

@@ -41,7 +41,7 @@ def relayr_environment(home: Path, **settings: object) -> dict[str, str]:
         "queue": f"relayr.test.{uuid.uuid4().hex[:12]}",
         "allowlist": ALLOWLIST,
         "log_format": "json",
-        "dispatch_interval_s": 0.2,
+        "dispatch_interval_s": 0.5,
     }
     for name, value in {**defaults, **settings}.items():
         environment[f"RELAYR_{name.upper()}"] = str(value)
