@@ -12,9 +12,15 @@ the command before it writes anything, with one line naming what is wrong and ex
 - ``relayr publish``, ``relayr thread create``, ``relayr thread show``: publish an event, open a
   thread, read what the rules and the agent wrote in it.
 - ``relayr demo``: the example application end to end, with a summary that checks the counts.
+- ``relayr allowlist``, ``relayr runs`` (:mod:`relayr.ops_cli`), ``relayr health``
+  (:mod:`relayr.health`): the operators' commands.
+
+Commands import what they need when they run: ``relayr health`` runs as a probe every few
+seconds and must not pay for loading both libraries and the application (ADR-0031).
 """
 
 import asyncio
+import importlib
 import json
 import os
 import re
@@ -23,23 +29,21 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import IO, Any, Final, NoReturn
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Final, Literal, NoReturn
 
 import click
-from artifactr import UserActor as ArtifactUserActor
-from artifactr import Workspace as ArtifactWorkspace
-from artifactr.core import MessagePosted
-from artifactr.core import NotFound as ArtifactNotFound
-from reflexr import SourceActor
-from reflexr.core import Forbidden, NotFound, UnknownEvent, ValidationFailed, load_event
 
-from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
 from relayr.errors import RelayrError
-from relayr.health import health_command, heartbeat_path, touch_heartbeat
 from relayr.logging import configure_logging
-from relayr.ops_cli import allowlist_group, runs_group
-from relayr.runtime import Role, Runtime
 from relayr.settings import PREFIX, Settings
+
+if TYPE_CHECKING:
+    from artifactr import UserActor as ArtifactUserActor
+    from artifactr import Workspace as ArtifactWorkspace
+    from reflexr import SourceActor
+
+    from relayr.runtime import Role, Runtime
 
 EXIT_BAD_INPUT: Final = 2
 
@@ -47,11 +51,15 @@ ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 """What a tenant, workspace, thread or event id typed on the command line may look like: it
 keeps shell accidents (spaces, slashes, empty parts) out of the store."""
 
-PUBLISHER: Final = SourceActor(name="relayr-cli")
-"""Who publishes events from the command line, as reflexr records it."""
+METRICS_ADDRESS: Final = "0.0.0.0"
+"""Where ``--metrics-port`` listens: every IPv4 interface, so Prometheus can scrape a pod."""
 
-CLI_USER: Final = ArtifactUserActor(id="relayr-cli", name="relayr CLI")
-"""Who creates threads and reads them from the command line, as artifactr records it."""
+OPERATOR_COMMANDS: Final = {
+    "allowlist": "relayr.ops_cli:allowlist_group",
+    "runs": "relayr.ops_cli:runs_group",
+    "health": "relayr.health:health_command",
+}
+"""Commands defined in other modules, loaded when they are called (or listed by --help)."""
 
 WORKER_STOP_MARGIN_S: Final = 15.0
 """Beyond the turns' grace, how long a stopping worker subprocess may take before it is
@@ -115,6 +123,20 @@ def describe(errors: list[Any]) -> str:
     return "; ".join(problems)
 
 
+def publisher() -> "SourceActor":
+    """Who publishes events from the command line, as reflexr records it."""
+    from reflexr import SourceActor
+
+    return SourceActor(name="relayr-cli")
+
+
+def cli_user() -> "ArtifactUserActor":
+    """Who creates threads and reads them from the command line, as artifactr records it."""
+    from artifactr import UserActor
+
+    return UserActor(id="relayr-cli", name="relayr CLI")
+
+
 def load_settings() -> Settings:
     """Read the settings; invalid ones stop the command with exit code 2."""
     try:
@@ -138,9 +160,10 @@ def child_environment(overrides: Mapping[str, str] | None = None) -> dict[str, s
 
 
 def in_runtime[T](
-    settings: Settings, work: Callable[[Runtime], Awaitable[T]], *, role: Role = "cli"
+    settings: Settings, work: Callable[["Runtime"], Awaitable[T]], *, role: "Role" = "cli"
 ) -> T:
     """Run ``work`` on a runtime of this process, in this process's one loop, then close it."""
+    from relayr.runtime import Runtime
 
     async def main() -> T:
         try:
@@ -153,8 +176,10 @@ def in_runtime[T](
     return asyncio.run(main())
 
 
-async def read_thread(workspace: ArtifactWorkspace, thread_id: str) -> list[ThreadEntry]:
+async def read_thread(workspace: "ArtifactWorkspace", thread_id: str) -> list[ThreadEntry]:
     """Every message of a thread, in order: people's, the rules' and the agent's."""
+    from artifactr.core import MessagePosted
+
     entries = []
     for envelope in await workspace.read(threads={thread_id}):
         event = envelope.event
@@ -228,7 +253,23 @@ def fail(message: str) -> NoReturn:
     raise BadInput(message)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Commands(click.Group):
+    """relayr's commands: its own, and :data:`OPERATOR_COMMANDS` loaded when asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *OPERATOR_COMMANDS])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        reference = OPERATOR_COMMANDS.get(cmd_name)
+        if reference is None:
+            return super().get_command(ctx, cmd_name)
+        module, _, name = reference.partition(":")
+        command = getattr(importlib.import_module(module), name)
+        assert isinstance(command, click.Command)
+        return command
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """relayr: reflexr rules run on Celery workers and act in artifactr threads.
 
@@ -268,44 +309,71 @@ def cli() -> None:
     type=click.Choice(["prefork", "solo"]),
     help="prefork in production: time limits only work there.",
 )
-def worker(concurrency: int, loglevel: str, hostname: str, pool: str) -> None:
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    default=None,
+    help="Serve Prometheus metrics of every pool process on this port.",
+)
+def worker(
+    concurrency: int, loglevel: str, hostname: str, pool: str, metrics_port: int | None
+) -> None:
     """Run a Celery worker for relayr's run tasks (the queue is RELAYR_QUEUE)."""
     settings = load_settings()
     from tasks.app import create_celery
 
     app = create_celery(settings)
-    app.worker_main(
-        [
-            "worker",
-            f"--queues={settings.queue}",
-            f"--concurrency={concurrency}",
-            f"--loglevel={loglevel.upper()}",
-            f"--hostname={hostname}",
-            f"--pool={pool}",
-            "--without-gossip",
-            "--without-mingle",
-        ]
-    )
+    # before the pool forks, so every pool process writes where this process serves from
+    server = serve_metrics(metrics_port, settings.home, "worker", per_process=True)
+    try:
+        app.worker_main(
+            [
+                "worker",
+                f"--queues={settings.queue}",
+                f"--concurrency={concurrency}",
+                f"--loglevel={loglevel.upper()}",
+                f"--hostname={hostname}",
+                f"--pool={pool}",
+                "--without-gossip",
+                "--without-mingle",
+            ]
+        )
+    finally:
+        if server is not None:
+            server.close()
 
 
-class BeatingDispatcher(Dispatcher):
-    """A dispatcher that refreshes its heartbeat after each pass that ended, for
-    ``relayr health --role dispatcher``: a pass stuck on storage stops the beat."""
+def serve_metrics(
+    port: int | None, home: Path, role: Literal["worker", "dispatcher"], *, per_process: bool
+) -> Any:  # a relayr.metrics.MetricsServer, or None without a port
+    """Start ``/metrics`` on ``port`` (ADR-0030); ``per_process`` for a worker and its pool."""
+    if port is None:
+        return None
+    from relayr.metrics import metrics_directory, start_metrics_server
 
-    def __init__(self, runtime: Runtime) -> None:
-        super().__init__(runtime)
-        self.heartbeat = heartbeat_path(runtime.settings.home, "dispatcher")
-
-    async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
-        done = await super().pass_once(enqueue)
-        touch_heartbeat(self.heartbeat)
-        return done
+    directory = metrics_directory(home, role) if per_process else None
+    # every IPv4 interface, as a scrape target must be reachable ("" fails on some hosts)
+    return start_metrics_server(port, directory, addr=METRICS_ADDRESS)
 
 
-async def serve_dispatcher(runtime: Runtime, stop: asyncio.Event) -> None:
-    """Run the dispatcher on ``runtime`` until ``stop`` is set, queueing runs on Celery."""
+async def serve_dispatcher(runtime: "Runtime", stop: asyncio.Event) -> None:
+    """Run the dispatcher on ``runtime`` until ``stop`` is set, queueing runs on Celery.
+
+    The dispatcher refreshes its heartbeat after each pass that ended, for
+    ``relayr health --dispatcher``: a pass stuck on storage stops the beat (ADR-0031).
+    """
+    from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
+    from relayr.health import heartbeat_path, touch_heartbeat
     from tasks.app import create_celery
     from tasks.runs import RunIds, send_run
+
+    heartbeat = heartbeat_path(runtime.settings.home, "dispatcher")
+
+    class BeatingDispatcher(Dispatcher):
+        async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
+            done = await super().pass_once(enqueue)
+            touch_heartbeat(heartbeat)
+            return done
 
     app = create_celery(runtime.settings)
     queue = runtime.settings.queue
@@ -313,11 +381,10 @@ async def serve_dispatcher(runtime: Runtime, stop: asyncio.Event) -> None:
     async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
         send_run(app, queue, RunIds(tenant_id, workspace_id, run_id))
 
-    dispatcher = BeatingDispatcher(runtime)
     try:
-        await dispatcher.serve(enqueue, stop)
+        await BeatingDispatcher(runtime).serve(enqueue, stop)
     finally:
-        dispatcher.heartbeat.unlink(missing_ok=True)
+        heartbeat.unlink(missing_ok=True)
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:
@@ -327,17 +394,28 @@ def stop_on_signals(stop: asyncio.Event) -> None:
 
 
 @cli.command()
-def dispatch() -> None:
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    default=None,
+    help="Serve Prometheus metrics on this port.",
+)
+def dispatch(metrics_port: int | None) -> None:
     """Run the dispatcher: evaluate rules, queue due runs for the workers (until Ctrl-C)."""
     settings = load_settings()
     configure_logging(settings.log_format)
 
-    async def work(runtime: Runtime) -> None:
+    async def work(runtime: "Runtime") -> None:
         stop = asyncio.Event()
         stop_on_signals(stop)
         await serve_dispatcher(runtime, stop)
 
-    in_runtime(settings, work, role="dispatcher")
+    server = serve_metrics(metrics_port, settings.home, "dispatcher", per_process=False)
+    try:
+        in_runtime(settings, work, role="dispatcher")
+    finally:
+        if server is not None:
+            server.close()
 
 
 @cli.command()
@@ -357,7 +435,7 @@ def run(concurrency: int) -> None:
     code = 0
     try:
 
-        async def work(runtime: Runtime) -> None:
+        async def work(runtime: "Runtime") -> None:
             nonlocal code
             stop = asyncio.Event()
             stop_on_signals(stop)
@@ -409,14 +487,16 @@ def publish(
     settings = load_settings()
     configure_logging(settings.log_format, level="WARNING")
 
-    async def work(runtime: Runtime) -> dict[str, Any]:
+    from reflexr.core import Forbidden, NotFound, UnknownEvent, ValidationFailed, load_event
+
+    async def work(runtime: "Runtime") -> dict[str, Any]:
         try:
             event = load_event({"type": event_type, **data})
         except ValidationFailed as invalid:
             fail(f"invalid {event_type} event: {describe(invalid.errors) or invalid.message}")
         if isinstance(event, UnknownEvent):
             fail(f"unknown event type {event_type!r}")
-        handle = await runtime.application.rules.open(tenant, workspace, actor=PUBLISHER)
+        handle = await runtime.application.rules.open(tenant, workspace, actor=publisher())
         try:
             published = await handle.publish(event, id=event_id)
         except NotFound:
@@ -454,8 +534,8 @@ def thread_create(where: str, title: str, as_json: bool) -> None:
     settings = load_settings()
     configure_logging(settings.log_format, level="WARNING")
 
-    async def work(runtime: Runtime) -> str:
-        handle = await runtime.application.artifacts.open(tenant, workspace, actor=CLI_USER)
+    async def work(runtime: "Runtime") -> str:
+        handle = await runtime.application.artifacts.open(tenant, workspace, actor=cli_user())
         return (await handle.create_thread(title)).id
 
     thread_id = in_runtime(settings, work)
@@ -478,8 +558,10 @@ def thread_show(where: str, thread_id: str, as_json: bool) -> None:
     settings = load_settings()
     configure_logging(settings.log_format, level="WARNING")
 
-    async def work(runtime: Runtime) -> list[ThreadEntry]:
-        handle = await runtime.application.artifacts.open(tenant, workspace, actor=CLI_USER)
+    from artifactr.core import NotFound as ArtifactNotFound
+
+    async def work(runtime: "Runtime") -> list[ThreadEntry]:
+        handle = await runtime.application.artifacts.open(tenant, workspace, actor=cli_user())
         try:
             await handle.thread(thread_id)
         except ArtifactNotFound:
@@ -525,11 +607,6 @@ def demo(runs: int, concurrency: int, timeout_s: float, as_json: bool) -> None:
     from relayr.demo import run_demo
 
     sys.exit(run_demo(runs=runs, concurrency=concurrency, timeout_s=timeout_s, as_json=as_json))
-
-
-cli.add_command(allowlist_group)
-cli.add_command(runs_group)
-cli.add_command(health_command)
 
 
 def main() -> None:

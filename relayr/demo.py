@@ -30,9 +30,9 @@ from reflexr.core import FINISHED, load_event
 from reflexr.workspace import Workspace as RuleWorkspace
 
 from relayr.cli import (
-    CLI_USER,
     WorkerProcessHandle,
     child_environment,
+    cli_user,
     format_entry,
     read_thread,
     serve_dispatcher,
@@ -59,6 +59,9 @@ DISPATCH_INTERVAL_S: Final = 0.5
 """The demo's dispatcher pass interval: shorter than the default, so a small demo is quick."""
 
 DEMO_PUBLISHER: Final = SourceActor(name="relayr-demo")
+
+CLI_USER: Final = cli_user()
+"""Who creates the demo's threads and reads them."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import structlog
 from celery import shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 
-from relayr import executor
+from relayr import executor, metrics
 from relayr.errors import InvalidTask
 from relayr.executor import Executed
 from tasks.worker import process
@@ -114,6 +114,7 @@ def log_outcome(executed: Executed) -> None:
 def send_run(app: Any, queue: str, ids: RunIds) -> None:
     """Queue one run task (the dispatcher's and this task's way to hand a run to a worker)."""
     app.send_task(TASK_NAME, args=ids.as_args(), queue=queue)
+    metrics.record_enqueued()
 
 
 def _execute_run(self: Any, *args: object, **kwargs: object) -> str:
@@ -130,6 +131,8 @@ def _execute_run(self: Any, *args: object, **kwargs: object) -> str:
     settings = process.settings
     assert settings is not None, "tasks.app.create_celery configures the process"
     delivery = request.retries + 1
+    if request.retries or (request.delivery_info or {}).get("redelivered"):
+        metrics.record_redelivery()
     with structlog.contextvars.bound_contextvars(
         run_id=ids.run_id,
         tenant=ids.tenant_id,

@@ -32,6 +32,7 @@ import structlog
 from celery import signals
 from celery.exceptions import Reject
 
+from relayr import metrics
 from relayr.errors import InvalidTask
 from relayr.logging import configure_logging
 from relayr.runtime import Runtime
@@ -174,13 +175,17 @@ class WorkerProcess:
             except Exception as error:  # a runtime that never started has nothing to close
                 logger.warning("worker runtime never started", error=str(error))
             else:
-                turns = len(runtime.bridge.turns.running())
+                turns = runtime.bridge.turns.running()
                 if turns:
-                    logger.info("letting running turns finish", turns=turns, turn_grace_s=grace_s)
+                    logger.info(
+                        "letting running turns finish", turns=len(turns), turn_grace_s=grace_s
+                    )
                 try:
                     loop.call(runtime.aclose(), timeout_s=grace_s + CLOSE_MARGIN_S)
                 except Exception:
                     logger.exception("closing the worker runtime failed")
+                # the loop is idle now: reading the turns' tasks from this thread is safe
+                metrics.record_turns_drained(sum(not turn.task.cancelled() for turn in turns))
         loop.stop()
         logger.info("worker process stopped", pid=os.getpid())
 
