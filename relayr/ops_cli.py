@@ -23,6 +23,7 @@ from relayr.allowlist import load_allowlist, warnings
 from relayr.application import load_application
 from relayr.errors import InvalidAllowlist, RelayrError
 from relayr.ledger.port import WorkspaceKey
+from relayr.logging import configure_logging
 from relayr.ops import (
     Done,
     RunFilter,
@@ -76,10 +77,13 @@ def _workspace_option(value: str | None) -> WorkspaceKey | None:
 
 
 def _settings() -> Settings:
+    """The environment's settings; logs go to stderr, warnings and worse, so stdout is data."""
     try:
-        return Settings.from_env()
+        settings = Settings.from_env()
     except RelayrError as error:
         raise click.ClickException(error.message) from None
+    configure_logging(settings.log_format, level="WARNING")
+    return settings
 
 
 def _echo_json(data: Any) -> None:

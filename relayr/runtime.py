@@ -5,8 +5,10 @@ made them (LIBRARIES.md A1, pitfall 1), and a turn the Runner starts is a task o
 (pitfall 2). So a process opens one :class:`Runtime` on its own loop (a worker after it forks)
 and runs every task, pass and command on that loop, never ``asyncio.run`` per task.
 
-Starting loads the allowlist file (an invalid one stops the process with every problem named),
-builds the application, opens the ledger on the application's database, and creates the Runner
+Starting a worker loads the allowlist file (an invalid one stops the process with every problem
+named); other processes (the dispatcher, the CLI) never act as a rule, so they grant nothing and
+do not need the file, which an operator may be in the middle of fixing. Starting builds the
+application, opens the ledger on the application's database, and creates the Runner
 when the application has an agent. A worker then takes the turns that were asked for and never
 taken (``Runner.recover``), which a worker that died between a send and its turn left behind.
 
@@ -98,16 +100,20 @@ class Runtime:
             role: ``worker`` also recovers the turns that were asked for and never taken.
             application: An application already built in this loop, instead of the one
                 ``settings.app`` names (tests, and programs that embed relayr).
-            allowlists: Returns the allowlist in force, instead of ``settings.allowlist``.
+            allowlists: Returns the allowlist in force, instead of ``settings.allowlist``
+                (a worker's) or an empty one (any other role's).
 
         Raises:
-            InvalidAllowlist: If the allowlist file is missing or invalid.
+            InvalidAllowlist: If a worker's allowlist file is missing or invalid.
             InvalidApplication: If the application cannot be built.
         """
         allowlist_file = None
-        if allowlists is None:
+        if allowlists is None and role == "worker":
             allowlist_file = AllowlistFile.open(settings.allowlist)
             allowlists = allowlist_file.current
+        elif allowlists is None:
+            nothing = Allowlists.empty("<not a worker: no rule acts here>")
+            allowlists = lambda: nothing  # noqa: E731
         if application is None:
             application = await load_application(settings)
         else:

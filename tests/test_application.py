@@ -24,7 +24,7 @@ from relayr.application import (
 from relayr.dispatch import Dispatcher
 from relayr.errors import InvalidAllowlist, InvalidApplication
 from relayr.executor import Executed, execute_run
-from relayr.runtime import Runtime
+from relayr.runtime import Role, Runtime
 from relayr.settings import Settings
 from rules.example import (
     DEPLOY_NOTICE,
@@ -203,6 +203,18 @@ async def test_a_runtime_refuses_a_missing_allowlist(tmp_path: Path) -> None:
 
     with pytest.raises(InvalidAllowlist, match="cannot read: no such file"):
         await Runtime.start(settings, role="worker")
+
+
+@pytest.mark.parametrize("role", ["cli", "dispatcher"])
+async def test_only_a_worker_needs_the_allowlist(tmp_path: Path, role: Role) -> None:
+    broken = tmp_path / "allowlist.toml"
+    broken.write_text('[rules."ops:x"]\nturns = "yes"\n')
+    runtime = await Runtime.start(settings_for("memory://", tmp_path, allowlist=broken), role=role)
+    try:
+        assert runtime.allowlist_file is None
+        assert runtime.bridge.allowlists().for_rule("ops:x").turns is False
+    finally:
+        await runtime.aclose()
 
 
 async def test_a_runtime_without_an_agent_starts_no_turns(tmp_path: Path) -> None:
