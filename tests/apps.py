@@ -3,7 +3,8 @@
 - :func:`create_slow_app`: the example application, with an offline agent that takes
   :data:`SLOW_TURN_S` to answer, so a test can stop a worker while turns run.
 - :func:`create_crashing_app`: one rule whose action kills the pool process running it, as an
-  out-of-memory kill would, to drive the bounded redelivery (ADR-0011).
+  out-of-memory kill would, to drive the bounded redelivery (ADR-0011); and one whose action
+  sleeps as long as its event says, to meet the task's soft time limit.
 """
 
 import asyncio
@@ -60,6 +61,12 @@ class Crash(CrashEvent, name="crash"):
     label: str
 
 
+class Sleep(CrashEvent, name="sleep"):
+    """Makes the rule ``test:sleep`` fire: its action sleeps ``seconds``."""
+
+    seconds: float
+
+
 async def _crash(reaction: Reaction[Any]) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -74,12 +81,29 @@ CRASH_RULE = Rule(
 )
 
 
+async def _sleep(reaction: Reaction[Any]) -> dict[str, float]:
+    event = reaction.events[-1].event
+    assert isinstance(event, Sleep)
+    await asyncio.sleep(event.seconds)
+    return {"slept_s": event.seconds}
+
+
+SLEEP_RULE = Rule(
+    name="test:sleep",
+    when=on(Sleep),
+    then=run("sleep"),
+    ordering="none",
+    start="beginning",
+    retry=RetryPolicy(max_attempts=5),
+)
+
+
 async def create_crashing_app(settings: Settings) -> Application:
-    """One rule, ``test:crash``, whose action kills its own process."""
+    """``test:crash``, whose action kills its own process, and ``test:sleep``."""
     storage = await open_storage(settings)
     return Application(
         artifacts=ArtifactWorkspaces(storage.artifacts),
-        rules=RuleWorkspaces(storage.rules, events=[Crash], rules=[CRASH_RULE]),
-        actions={"crash": _crash},
+        rules=RuleWorkspaces(storage.rules, events=[Crash, Sleep], rules=[CRASH_RULE, SLEEP_RULE]),
+        actions={"crash": _crash, "sleep": _sleep},
         engines=storage.engines,
     )

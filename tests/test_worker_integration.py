@@ -28,6 +28,8 @@ from tests.workers import WorkerProcess, relayr_environment, running_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
+ALL_STATUSES = ("pending", "running", "retrying", "succeeded", "dead", "cancelled", "skipped")
+
 SCENARIO_TIMEOUT_S = 240.0
 """How long a scenario may take to end every run and turn; far above what it needs."""
 
@@ -285,3 +287,64 @@ async def crash_once(settings: Settings, worker: WorkerProcess) -> Any:
                 return runs[0]
             assert time.monotonic() < deadline, worker.log()
             await asyncio.sleep(0.2)
+
+
+# ─── soft time limit ──────────────────────────────────────────────────────────
+
+
+def test_the_soft_time_limit_interrupts_a_run_and_the_process_goes_on(tmp_path: Path) -> None:
+    """The limit's signal reaches the waiting task, which cancels the run on the loop."""
+    environment = relayr_environment(
+        tmp_path,
+        app="tests.apps:create_crashing_app",
+        soft_time_limit_s=2,
+        time_limit_s=20,
+        lease_ttl_s=3,
+    )
+    settings = Settings.from_env(environment)
+    with running_worker(environment, settings.home, concurrency=1) as worker:
+        stuck, quick = asyncio.run(sleep_twice(settings, worker))
+        interrupted = wait_for_lines(
+            worker, "run interrupted by the task's soft time limit", count=1
+        )
+    assert interrupted[0]["run_id"] == stuck.id
+    # left running with its lease released: the next claim records the attempt abandoned
+    assert (stuck.status, stuck.attempts) == ("running", 1)
+    assert (quick.status, quick.output) == ("succeeded", {"slept_s": 0.0})
+    assert "signal 9" not in worker.log()  # the hard limit never fired
+
+
+async def sleep_twice(settings: Settings, worker: WorkerProcess) -> tuple[Any, Any]:
+    """One run that sleeps past the soft limit, then one that does not, in one pool process."""
+    from reflexr import SourceActor
+
+    from tests.apps import Sleep
+
+    runtime = await Runtime.start(settings, role="dispatcher")
+    async with runtime:
+        app = create_celery(settings)
+        rules = await runtime.application.rules.open("acme", "naps", actor=SourceActor(name="t"))
+        dispatcher = Dispatcher(runtime)
+
+        async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
+            send_run(app, settings.queue, RunIds(tenant_id, workspace_id, run_id))
+
+        deadline = time.monotonic() + 60
+
+        async def run_of(index: int, *statuses: str) -> Any:
+            """The index-th run fired, once its status is one of ``statuses``."""
+            while True:
+                runs = sorted(await rules.runs(), key=lambda run: run.fired_seq)
+                if len(runs) > index and runs[index].status in statuses:
+                    return runs[index]
+                assert time.monotonic() < deadline, worker.log()
+                await asyncio.sleep(0.2)
+
+        await rules.publish(Sleep(seconds=60), id="stuck")
+        assert (await dispatcher.pass_once(enqueue)).enqueued == 1
+        await run_of(0, "running")
+        await rules.publish(Sleep(seconds=0), id="quick")
+        assert (await dispatcher.pass_once(enqueue)).enqueued == 1
+        quick = await run_of(1, "succeeded")
+        stuck = await run_of(0, *ALL_STATUSES)
+        return stuck, quick
