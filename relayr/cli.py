@@ -320,6 +320,7 @@ def worker(
 ) -> None:
     """Run a Celery worker for relayr's run tasks (the queue is RELAYR_QUEUE)."""
     settings = load_settings()
+    check_worker_inputs(settings)
     from tasks.app import create_celery
 
     app = create_celery(settings)
@@ -341,6 +342,22 @@ def worker(
     finally:
         if server is not None:
             server.close()
+
+
+def check_worker_inputs(settings: Settings) -> None:
+    """Refuse to start a worker whose allowlist or application cannot be loaded.
+
+    Pool processes load both when they start; without this check a worker would start, and
+    every run would fail in its pool processes instead.
+    """
+    from relayr.allowlist import load_allowlist
+    from relayr.application import load_factory
+
+    try:
+        load_allowlist(settings.allowlist)
+        load_factory(settings.app)
+    except RelayrError as error:
+        raise BadInput(error.message) from None
 
 
 def serve_metrics(

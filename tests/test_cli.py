@@ -122,7 +122,6 @@ def test_an_event_that_is_not_the_applications_is_refused_and_nothing_is_written
         ("RELAYR_LOG_FORMAT", "xml", "RELAYR_LOG_FORMAT='xml' is invalid"),
         ("RELAYR_BROKER_URL", "amqp://", "RELAYR_BROKER_URL='amqp://' is invalid"),
         ("RELAYR_APP", "nowhere.at.all:create_app", "cannot be imported"),
-        ("RELAYR_ALLOWLIST", "/nonexistent/allowlist.toml", "allowlist"),
     ],
 )
 def test_invalid_settings_are_refused_in_one_line(
@@ -242,3 +241,17 @@ def test_a_long_running_command_with_invalid_settings_does_not_start(
 ) -> None:
     environment = {**environment, "RELAYR_TIME_LIMIT_S": "99999"}
     assert_refused(invoke(environment, *command), "the time limits are out of order")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("RELAYR_ALLOWLIST", "/nonexistent/allowlist.toml", "cannot read: no such file"),
+        ("RELAYR_APP", "nowhere.at.all:create_app", "cannot be imported"),
+        ("RELAYR_APP", "relayr.settings:Settings", "is not an async function"),
+    ],
+)
+def test_a_worker_whose_allowlist_or_application_cannot_load_does_not_start(
+    environment: dict[str, str], variable: str, value: str, message: str
+) -> None:
+    assert_refused(invoke({**environment, variable: value}, "worker"), message)
