@@ -1,0 +1,71 @@
+"""SQL transactions per notice run, the publish included, and per dispatcher pass.
+
+``python -m bench.transactions --storage sqlite postgres --n 200`` runs the end-to-end case
+(:mod:`bench.end_to_end`) and reports its transaction counts: SQLAlchemy's ``begin`` events,
+counted on every engine of every process. The workers' pool processes count their own
+(:func:`bench.common.create_app`, named by ``RELAYR_APP``) and write them to a file each; this
+process counts its publisher's, its dispatcher's and its poller's engines apart. Counts are
+taken once the workers are idle, before the first publish and after the last run, so a
+process's start (migrations, recovery) is left out.
+
+- ``per_notice_run``: the workers' transactions per run, plus one ``publish`` per event (the
+  target counts both: at most 6);
+- ``per_dispatch_pass``: the dispatcher's transactions per pass (tick, evaluation under its
+  lease, due runs); ``dispatch_per_run`` the same spread over the runs;
+- the workers' ``rollback`` count: transactions that ended without a commit (reads).
+"""
+
+import argparse
+from collections.abc import Sequence
+from typing import Any, Final
+
+from bench.common import STORAGES, emit, storage_available
+from bench.end_to_end import Case, run_case
+
+TARGET_PER_NOTICE_RUN: Final = 6
+"""Issue 5's target: SQL transactions per notice run, the publish included."""
+
+
+def measure(storage: str, n: int, workers: int = 1) -> dict[str, Any]:
+    case = Case(storage=storage, n=n, workers=workers)  # type: ignore[arg-type]
+    (figures,) = run_case(case)
+    counted = figures["transactions"]
+    per_run = counted["notice_run_with_publish"]
+    return {
+        "bench": "transactions",
+        "storage": storage,
+        "n": n,
+        "worker_processes": workers,
+        "per_notice_run": per_run,
+        "per_notice_run_target": TARGET_PER_NOTICE_RUN,
+        "met": per_run is not None and per_run <= TARGET_PER_NOTICE_RUN,
+        "worker_per_run": counted["worker_per_run"],
+        "publish_per_run": counted["publish_per_run"],
+        "per_dispatch_pass": counted["dispatch_per_pass"],
+        "dispatch_passes": counted["dispatch_passes"],
+        "dispatch_per_run": counted["dispatch_per_run"],
+        "worker": counted["worker"],
+        "publish": counted["publish"],
+        "dispatch": counted["dispatch"],
+        "outcomes": figures["outcomes"],
+        "notices": figures["notices"],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.transactions", description=__doc__)
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument(
+        "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]
+    )
+    args = parser.parse_args(argv)
+    for storage in args.storage:
+        if not storage_available(storage):
+            emit({"bench": "transactions", "storage": storage, "skipped": "a service is down"})
+            continue
+        emit(measure(storage, args.n, args.workers))
+
+
+if __name__ == "__main__":
+    main()
