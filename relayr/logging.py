@@ -23,7 +23,7 @@ type LogFormat = Literal["json", "console"]
 QUIET_LOGGERS: Final = {
     "celery.app.trace": logging.WARNING,
     "celery.worker.strategy": logging.WARNING,
-    "alembic.runtime.migration": logging.WARNING,
+    "alembic": logging.WARNING,
 }
 """Lines that say nothing relayr's own do not: Celery's per-task lines ("received", "succeeded
 in 0.01s"; relayr's say the same with the run's ids and outcome) and Alembic's chatter at every

@@ -30,7 +30,7 @@ that delivering again could make:
 
 from typing import Any, Final
 
-from celery import Celery
+from celery import Celery, Task
 
 from relayr.health import heartbeat_path, heartbeat_step
 from relayr.settings import Settings
@@ -106,8 +106,17 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 
 def create_celery(settings: Settings) -> Celery:
-    """Build relayr's Celery app for ``settings``; it becomes this process's current app."""
+    """Build relayr's Celery app for ``settings``; it becomes this process's current app.
+
+    Raises:
+        RuntimeError: On a Celery without ``task_retry_on_worker_lost`` (before 5.7), where a
+            task that kills its worker would be redelivered forever (ADR-0011).
+    """
     global _current
+    if not hasattr(Task, "retry_on_worker_lost"):
+        raise RuntimeError(
+            "relayr needs Celery 5.7 or newer: bounded redelivery uses task_retry_on_worker_lost"
+        )
     app = Celery("relayr", set_as_current=True, include=["tasks.runs"])
     app.conf.update(celery_config(settings))
     # liveness for `relayr health --liveness`: the main process beats while its pool is busy
