@@ -31,6 +31,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from time import perf_counter
 from typing import Any, Final, Literal
 
 import structlog
@@ -71,6 +72,7 @@ from reflexr.workspace import (
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from relayr import metrics
 from relayr.runtime import Runtime
 
 type Outcome = Literal[
@@ -215,10 +217,12 @@ async def _execute_leased(
         claimed = await _retried(lambda: _claim(rules, ref, run_id))
         if isinstance(claimed, Executed):
             _log_declined(log, claimed)
+            metrics.record_run(None if claimed.run is None else claimed.run.rule, claimed.outcome)
             return claimed
         run, rule, events = claimed
         log = log.bind(rule=rule.name, attempt=run.attempts)
         log.info("attempt started", epoch=run.epoch, action=rule.then.action)
+        began = perf_counter()
         ended = await _run_action(runtime, ref, run, rule, events, ttl)
         if ended.kind == "interrupted":
             executed = Executed(
@@ -230,6 +234,7 @@ async def _execute_leased(
         else:
             executed = await _retried(lambda: _complete(rules, ref, run, rule, ended))
         release = executed.outcome != "succeeded"
+        metrics.record_run(rule.name, executed.outcome, perf_counter() - began)
         log.info(
             "attempt ended",
             outcome=executed.outcome,
@@ -282,6 +287,7 @@ async def fail_run(
             )
 
     executed = await _retried(record)
+    metrics.record_run(None if executed.run is None else executed.run.rule, executed.outcome)
     logger.warning(
         "run failed by its executor",
         run_id=run_id,
@@ -337,6 +343,7 @@ async def _claim(
         events: list[Envelope] = []
         for seq in started.matched:
             events.extend(await transaction.read(after_seq=seq - 1, limit=1))
+    metrics.record_dispatch_lag((now - run.next_attempt_at).total_seconds())
     return started, rule, tuple(events)
 
 
@@ -550,6 +557,7 @@ async def _save(transaction: Transaction, run: Run, fact: _Fact) -> None:
 
 def _contended(log: Any, detail: str) -> Executed:
     executed = Executed("contended", None, detail)
+    metrics.record_run(None, executed.outcome)
     log.info("run not executed", outcome=executed.outcome, detail=detail)
     return executed
 

@@ -230,32 +230,7 @@ def test_deploy_runs_relayr_everywhere() -> None:
     assert {invocation.argv[1] for invocation in ALL} == {"worker", "dispatch", "health"}
 
 
-def pending(invocation: Invocation) -> str | None:
-    """What ``invocation`` needs that ``relayr`` lacks yet (asked of the celery engineer)."""
-    group = relayr_group()
-    name = invocation.argv[1]
-    if name not in group.commands:
-        return f"relayr {name} is not a command yet"
-    if "--metrics-port" in invocation.argv and not any(
-        "--metrics-port" in parameter.opts for parameter in group.commands[name].params
-    ):
-        return f"relayr {name} has no --metrics-port yet"
-    return None
-
-
-@pytest.mark.parametrize(
-    "invocation",
-    [
-        pytest.param(
-            invocation,
-            id=invocation.where,
-            marks=[pytest.mark.xfail(reason=reason, strict=True)]
-            if (reason := pending(invocation))
-            else [],
-        )
-        for invocation in ALL
-    ],
-)
+@pytest.mark.parametrize("invocation", ALL, ids=[invocation.where for invocation in ALL])
 def test_every_command_is_a_real_relayr_command(invocation: Invocation) -> None:
     parse_command(invocation.argv)
 
@@ -504,11 +479,6 @@ def copied_sources() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(
-    not (REPO / "README.md").exists(),
-    reason="README.md, pyproject's readme, is not in the repository yet: pip install . fails",
-    strict=True,
-)
 def test_the_image_recipe_installs_and_runs(tmp_path: Path) -> None:
     instructions = dockerfile_instructions()
     (base,) = [arguments for keyword, arguments in instructions if keyword == "FROM"]

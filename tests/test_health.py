@@ -380,18 +380,7 @@ def test_a_busy_worker_is_healthy_and_a_stopped_one_is_not(tmp_path: Path, redis
 # ─── `relayr health` itself ─────────────────────────────────────────────────
 
 
-def _cli_has_health() -> bool:
-    from relayr.cli import cli
-
-    return "health" in cli.commands
-
-
 @pytest.mark.redis
-@pytest.mark.xfail(
-    not _cli_has_health(),
-    reason="relayr.cli does not register relayr.health.health_command yet",
-    strict=True,
-)
 def test_relayr_health_is_the_same_command(tmp_path: Path, redis_url: str) -> None:
     environment = health_environment(tmp_path, broker_url=redis_url)
     ran = health(environment, "--timeout", "3", module="relayr.cli")

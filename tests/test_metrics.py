@@ -408,26 +408,9 @@ def test_a_prefork_worker_serves_the_sum_of_its_pool_processes(
 # ─── a real relayr worker under a small load ────────────────────────────────
 
 
-def _relayr_worker_serves_metrics() -> bool:
-    """Whether ``relayr worker`` takes ``--metrics-port`` (asked of the celery engineer)."""
-    try:
-        from relayr.cli import cli
-    except ImportError:
-        return False
-    command = cli.commands.get("worker")
-    return command is not None and any(
-        "--metrics-port" in parameter.opts for parameter in command.params
-    )
-
-
 @pytest.mark.redis
 @pytest.mark.worker
 @pytest.mark.slow
-@pytest.mark.xfail(
-    not _relayr_worker_serves_metrics(),
-    reason="relayr worker has no --metrics-port yet, and the recording calls are not wired",
-    strict=True,
-)
 def test_a_relayr_worker_counts_a_small_load(tmp_path: Path, redis_url: str) -> None:
     from relayr.demo import Plan, run_scenario
     from relayr.settings import Settings
