@@ -61,6 +61,8 @@ attempt (retried): enough for a busy artifact, bounded so a hot one cannot hold 
 NO_THREAD: Final = "no_thread"
 NOT_ALLOWED: Final = "not_allowed"
 EMPTY_CONTENT: Final = "empty_content"
+INVALID_CONTENT: Final = "invalid_content"
+INVALID_ID: Final = "invalid_id"
 
 
 class NotAllowed(RunFailure):
@@ -210,6 +212,8 @@ class RunActions:
         Returns the proposal's id, or the artifact's for a direct write.
         """
         thread = None if thread_id is None else self._thread(thread_id, "create")
+        if thread is not None and thread not in self._chain:
+            await self._existing_thread(thread)
         data = artifact.model_dump(mode="json")
         proposal_id, artifact_id = self._ids.next_ids(
             ("prp", "art"),
@@ -228,6 +232,7 @@ class RunActions:
         artifact's kind is in ``direct``. A version conflict re-reads the artifact and tries
         again, a bounded number of times. Returns the proposal's id, or the artifact's.
         """
+        self._check_id("artifact", artifact_id)
         proposal_id = self._ids.next(
             "prp", segment=self._segment, operation="edit_artifact", subject=(artifact_id, path)
         )
@@ -235,7 +240,11 @@ class RunActions:
         for _ in range(EDIT_CONFLICT_TRIES):
             current = await self._read(handle, artifact_id)
             data = current.data.model_dump(mode="json")
-            if _pointer_value(data, path) == (value,):
+            try:
+                found = _pointer_value(data, path)
+            except ValueError as bad:
+                raise self._permanent(str(bad), "invalid_path") from None
+            if found == (value,):
                 self._log.info("edit skipped: value in place", artifact_id=artifact_id, path=path)
                 return None
             patch = JsonPatch(ops=({"op": "add", "path": path, "value": value},))
@@ -260,6 +269,7 @@ class RunActions:
 
         Skipped (None) when it is archived already.
         """
+        self._check_id("artifact", artifact_id)
         proposal_id = self._ids.next(
             "prp", segment=self._segment, operation="archive_artifact", subject=(artifact_id,)
         )
@@ -286,7 +296,7 @@ class RunActions:
     def _thread(self, thread_id: str | None, operation: str) -> str:
         if thread_id is None:
             if not self._chain:
-                raise _permanent(
+                raise self._permanent(
                     f"run {self._run.id} of rule {self.rule} has no thread to {operation} in: "
                     "its events carry no thread_id and it created none",
                     NO_THREAD,
@@ -296,21 +306,43 @@ class RunActions:
             raise self._refuse(
                 operation,
                 f"rule {self.rule} may act only in its run's threads "
-                f"({', '.join(self._chain) or 'none'}), not in {thread_id}",
+                f"({', '.join(self._chain) or 'none'}), not in {thread_id!r}",
                 thread_id=thread_id,
             )
+        self._check_id("thread", thread_id)
         return thread_id
+
+    def _permanent(self, message: str, reason: str) -> RunFailure:
+        """A write no retry can make: logged and counted as a refusal, nothing written."""
+        self._log.warning("write refused", reason=reason, detail=message)
+        metrics.record_refusal(reason)
+        return RunFailure(message, reason=reason, permanent=True)
 
     def _refuse(self, operation: str, message: str, **where: str) -> NotAllowed:
         self._log.warning("write refused", refused=operation, reason=NOT_ALLOWED, **where)
         metrics.record_refusal(NOT_ALLOWED)
         return NotAllowed(message)
 
+    def _check_id(self, what: str, value: str) -> None:
+        """Refuse an id no storage can hold, before anything is written."""
+        problem = "is empty" if not value else _text_problem(value)
+        if problem is not None:
+            raise self._permanent(
+                f"run {self._run.id} of rule {self.rule} named a {what} id that {problem}",
+                INVALID_ID,
+            )
+
     def _message_id(self, thread: str, content: str) -> str:
         if not content.strip():
-            raise _permanent(
+            raise self._permanent(
                 f"run {self._run.id} of rule {self.rule} tried to post empty content",
                 EMPTY_CONTENT,
+            )
+        problem = _text_problem(content)
+        if problem is not None:
+            raise self._permanent(
+                f"run {self._run.id} of rule {self.rule} tried to post content that {problem}",
+                INVALID_CONTENT,
             )
         return self._ids.next(
             "msg",
@@ -401,6 +433,14 @@ class RunActions:
         self._log.info(f"{command.type} made", write=write, id=key, artifact_id=artifact_id)
         return key
 
+    async def _existing_thread(self, thread_id: str) -> None:
+        """A proposal may name a thread artifactr does not check: check it here."""
+        handle = await self._workspace()
+        try:
+            await handle.thread(thread_id)
+        except Rejection as refused:
+            raise _failure(refused, f"reading thread {thread_id}") from None
+
     async def _read(self, handle: Workspace, artifact_id: str) -> Any:
         try:
             return await handle.artifact(artifact_id)
@@ -475,10 +515,15 @@ def _failure(refused: Rejection, doing: str) -> RunFailure:
     return RunFailure(f"{doing}: {refused.message}", reason=code, permanent=not retried)
 
 
-def _permanent(message: str, reason: str) -> RunFailure:
-    """A failure no retry can fix, counted as a refusal."""
-    metrics.record_refusal(reason)
-    return RunFailure(message, reason=reason, permanent=True)
+def _text_problem(text: str) -> str | None:
+    """What keeps ``text`` out of every storage: a NUL, or a lone surrogate (not UTF-8)."""
+    if "\x00" in text:
+        return "holds a NUL character"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        return f"is not unicode text (a lone surrogate at {bad.start})"
+    return None
 
 
 def _canonical(data: Mapping[str, Any]) -> str:
@@ -490,7 +535,7 @@ def _pointer_value(data: Any, path: str) -> tuple[Any] | tuple[()]:
     if path == "":
         return (data,)
     if not path.startswith("/"):
-        raise _permanent(f"{path!r} is not a JSON pointer", "invalid_path")
+        raise ValueError(f"{path!r} is not a JSON pointer")
     node = data
     for raw in path[1:].split("/"):
         part = raw.replace("~1", "/").replace("~0", "~")

@@ -325,7 +325,7 @@ async def test_notice_refuses_empty_content_without_writing(harness: Harness) ->
         assert (refused.value.reason, refused.value.permanent) == ("empty_content", True)
     with pytest.raises(RunFailure) as nul:
         await actions.notice("a\x00b")
-    assert nul.value.reason == "validation_failed"
+    assert (nul.value.reason, nul.value.permanent) == ("invalid_content", True)
     assert await harness.messages(thread) == []
 
 

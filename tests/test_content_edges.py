@@ -11,9 +11,8 @@ Runner, each content is posted by three attempts of one run, as retries would:
 Contents: empty, whitespace (ASCII and Unicode), 100 kB (ASCII, 2-byte, 4-byte characters,
 one line, many lines), NUL, control characters, CR/LF, right-to-left text and overrides,
 emoji sequences, combining characters next to their composed forms, BOM, noncharacters,
-markup. Lone surrogates (invalid UTF-8 once encoded) and NUL are pinned by a strict xfail:
-they reach artifactr after the ledger has a cause for them, and surrogates escape as
-pydantic's ValidationError (see the report).
+markup. Lone surrogates (invalid UTF-8 once encoded) and NUL can never be stored: they are
+refused for good (``invalid_content``) before the ledger or artifactr is written.
 """
 
 import asyncio
@@ -66,8 +65,8 @@ CASES = {
     "100 kB four-byte": Case("🚀" * 25_000),
     "100 kB one line": Case("word " * 20_000),
     "100 kB of lines": Case("line\n" * 20_000),
-    "nul inside": Case("a\x00b", "validation_failed"),
-    "nul only": Case("\x00", "validation_failed"),
+    "nul inside": Case("a\x00b", "invalid_content"),
+    "nul only": Case("\x00", "invalid_content"),
     "control characters": Case("\x1b[31mred\x1b[0m\x07\x08\x7f"),
     "cr lf": Case("a\r\nb\rc\n"),
     "surrounding whitespace": Case("  kept as is  \n"),
@@ -203,12 +202,6 @@ async def unrepresentable(kind: StorageKind, template: Path, route: str, content
         assert world.ledger.written == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding: content artifactr can never take (lone surrogates, NUL) reaches it after "
-    "the ledger recorded a cause; surrogates escape as pydantic ValidationError (reason None, "
-    "retried), NUL is refused validation_failed, retried though no retry can fix it",
-)
 @pytest.mark.parametrize(
     ("kind", "route", "name"),
     [
@@ -237,7 +230,7 @@ async def any_text(kind: StorageKind, template: Path | None, route: str, content
         if not content.strip():
             refused = "empty_content"
         elif "\x00" in content:
-            refused = "validation_failed"
+            refused = "invalid_content"
         event(f"expected: {refused or 'posted'}")
         assert await check(world, route, "text", content, refused) == []
 

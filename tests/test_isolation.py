@@ -19,7 +19,7 @@ first. So every id the run derives is already used next door. Afterwards:
 - the rule never resolves a proposal.
 
 A table test then pins how each hostile id is refused: a ``RunFailure`` with a stable reason,
-or one of the escapes the report names (strict xfail).
+logged once as "write refused".
 """
 
 import asyncio
@@ -539,36 +539,14 @@ HOSTILE_THREADS = {
     "missing": "thr_0000000000000000",
 }
 REFUSED: dict[str, frozenset[str]] = {
-    "nul": frozenset({"validation_failed"}),
-    "lone surrogate": frozenset({"not_found", "validation_failed"}),
+    "empty": frozenset({"invalid_id"}),
+    "nul": frozenset({"invalid_id"}),
+    "lone surrogate": frozenset({"invalid_id"}),
 }
 """The reasons a hostile id may be refused with, when the rule may act anywhere; else
-``not_found``. Under ``chain`` every one of them is ``not_allowed``."""
-
-SURROGATE_ESCAPE = (
-    "finding: on SQLite an id with a lone surrogate raises UnicodeEncodeError from the driver, "
-    "not a RunFailure (in memory: not_found)"
-)
-EMPTY_THREAD_ESCAPE = "finding: create(thread_id='') raises artifactr's NotLoaded, not a RunFailure"
-DANGLING_PROPOSAL = (
-    "finding: artifactr refuses a direct CreateArtifact in a thread that does not exist "
-    "(not_found) but accepts the same change as a proposal, so create() without direct "
-    "writes a proposal naming a thread that is not there"
-)
+``not_found``. Under ``chain`` every one of them is ``not_allowed``. An id no storage can hold
+is refused before storage is asked, a missing thread before a proposal could name it."""
 OPERATIONS = ("notice", "create", "propose", "edit")
-
-
-def escape(kind: str, scope: str, operation: str, name: str) -> str | None:
-    """Why a case is known not to end in a RunFailure, if it is (see the report)."""
-    if scope == "chain":
-        return None  # refused before storage is asked
-    if kind == "sqlite" and name == "lone surrogate":
-        return SURROGATE_ESCAPE
-    if operation in ("create", "propose") and name == "empty":
-        return EMPTY_THREAD_ESCAPE
-    if operation == "propose" and name != "nul":
-        return DANGLING_PROPOSAL
-    return None
 
 
 def hostile_cases() -> list[Any]:
@@ -582,10 +560,8 @@ def hostile_cases() -> list[Any]:
     ):
         for operation in operations_:
             for name in HOSTILE_THREADS:
-                reason = escape(kind, scope, operation, name)
-                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
                 case_id = f"{kind}-{scope}-{operation}-{name}"
-                cases.append(pytest.param(kind, scope, operation, name, marks=marks, id=case_id))
+                cases.append(pytest.param(kind, scope, operation, name, id=case_id))
     return cases
 
 
