@@ -48,6 +48,7 @@ _NAMESPACE_WILDCARD = re.compile(r"([a-z][a-z0-9_]*):\*?")
 _TABLES = ("default", "rules", "namespaces")
 _SHAPE = 'an allowlist has [default], [rules."namespace:name"] and [namespaces.namespace] only'
 _FILE_KEY = "<file>"
+_TOO_DEEP = "invalid toml: values nested too deeply to read"
 _TOML_KEY = "<toml>"
 
 logger = logging.getLogger("relayr.allowlist")
@@ -208,7 +209,18 @@ def parse_allowlist(text: str, *, source: str = "<string>") -> Allowlists:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise InvalidAllowlist(source, layout.toml_problems(str(error))) from None
-    return _Validator(layout, source).validate(data)
+    # Values Python cannot hold as written: nesting deeper than its recursion limit, integers
+    # longer than it converts to text. tomllib or the validator meets them, never a valid file.
+    except RecursionError:
+        raise InvalidAllowlist(source, [Problem(_TOML_KEY, _TOO_DEEP)]) from None
+    except ValueError as error:
+        raise InvalidAllowlist(source, [Problem(_TOML_KEY, f"invalid toml: {error}")]) from None
+    try:
+        return _Validator(layout, source).validate(data)
+    except RecursionError:
+        raise InvalidAllowlist(source, [Problem(_TOML_KEY, _TOO_DEEP)]) from None
+    except ValueError as error:
+        raise InvalidAllowlist(source, [Problem(_TOML_KEY, f"invalid value: {error}")]) from None
 
 
 def load_allowlist(path: str | os.PathLike[str]) -> Allowlists:
@@ -348,6 +360,11 @@ class AllowlistFile:
         except InvalidAllowlist as error:
             self._last_error = error
             self._on_invalid(error)
+            return
+        except Exception as error:  # a running worker keeps its last good allowlist, whatever
+            unreadable = Problem(_FILE_KEY, f"cannot read: {type(error).__name__}: {error}")
+            self._last_error = InvalidAllowlist(str(self.path), [unreadable])
+            self._on_invalid(self._last_error)
             return
         self._current = allowlists
         self._last_error = None
