@@ -214,7 +214,7 @@ async def _execute_leased(
     key = run_lease(run_id)
     release = True
     try:
-        claimed = await _retried(lambda: _claim(rules, ref, run_id))
+        claimed = await _unless_missing(lambda: _retried(lambda: _claim(rules, ref, run_id)))
         if isinstance(claimed, Executed):
             _log_declined(log, claimed)
             metrics.record_run(None if claimed.run is None else claimed.run.rule, claimed.outcome)
@@ -266,7 +266,7 @@ async def fail_run(
         async with rules.storage.transaction(ref) as transaction:
             run = await transaction.run(run_id)
             if run is None:
-                return _missing(ref, run_id)
+                raise _Missing(_missing(ref, run_id))
             now = rules.clock()
             found = (await rules.rules_in(transaction)).get(run.rule)
             if found is None:
@@ -286,7 +286,7 @@ async def fail_run(
                 await _next_runs(transaction, rule, failed, now),
             )
 
-    executed = await _retried(record)
+    executed = await _unless_missing(lambda: _retried(record))
     metrics.record_run(None if executed.run is None else executed.run.rule, executed.outcome)
     logger.warning(
         "run failed by its executor",
@@ -310,7 +310,7 @@ async def _claim(
     async with rules.storage.transaction(ref) as transaction:
         run = await transaction.run(run_id)
         if run is None:
-            return _missing(ref, run_id)
+            raise _Missing(_missing(ref, run_id))
         now = rules.clock()
         found = (await rules.rules_in(transaction)).get(run.rule)
         if found is None:
@@ -531,6 +531,23 @@ async def _cancel_orphan(transaction: Transaction, run: Run, now: datetime) -> E
     return Executed(
         "cancelled", cancelled, f"run {run.id} was cancelled: its rule {run.rule} is gone"
     )
+
+
+class _Missing(Exception):
+    """Raised inside a transaction that found no run, so it rolls back: reflexr's storage
+    records a workspace when a transaction on it commits, and a task naming a workspace that
+    does not exist must leave nothing behind."""
+
+    def __init__(self, executed: Executed) -> None:
+        super().__init__(executed.detail)
+        self.executed = executed
+
+
+async def _unless_missing[T](step: Callable[[], Awaitable[T]]) -> T | Executed:
+    try:
+        return await step()
+    except _Missing as missing:
+        return missing.executed
 
 
 def _missing(ref: WorkspaceRef, run_id: str) -> Executed:

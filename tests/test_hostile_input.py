@@ -166,11 +166,6 @@ def test_an_id_that_is_not_unicode_text_is_refused(run_id: str) -> None:
 # ─── a claim that finds nothing writes nothing ───────────────────────────────
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding: the claim of a run in a workspace reflexr never saw commits that "
-    "workspace's row (reflexr's transaction creates it), so each bad message adds a row",
-)
 async def test_a_claim_of_a_missing_run_leaves_no_workspace_row(tmp_path: Path) -> None:
     settings_ = Settings(home=tmp_path, allowlist=ALLOWLIST)
     runtime = await Runtime.start(settings_, role="dispatcher")
