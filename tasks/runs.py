@@ -6,8 +6,9 @@ and nothing else; the run is re-read from reflexr's store, which decides whether
 happens (DESIGN contract 7). So a duplicated or redelivered message is harmless: a run that is
 not due, or that another worker holds, does nothing and the log says so.
 
-- Malformed arguments (not three non-empty strings of bounded length without NUL): one log
-  line, no write, no retry: the message is rejected, never requeued (:class:`InvalidTask`).
+- Malformed arguments (not three non-empty strings of bounded length, without NUL or lone
+  surrogates, each given once): one log line, no write, no retry: the message is rejected,
+  never requeued (:class:`InvalidTask`).
 - A delivery past ``max_redeliveries`` (its task killed its worker that often): the run is
   failed with reason ``worker_lost`` instead of being run again (ADR-0011).
 - The runs of the same rule and scope that became due when this run ended are enqueued at
@@ -68,7 +69,7 @@ class RunIds:
 
 
 def parse_ids(args: Sequence[object], kwargs: Mapping[str, object]) -> RunIds:
-    """Read a task's arguments as :class:`RunIds`, by position or by name.
+    """Read a task's arguments as :class:`RunIds`, by position or by name (not both).
 
     Raises:
         InvalidTask: Naming what is wrong, for anything but three ids.
@@ -79,6 +80,9 @@ def parse_ids(args: Sequence[object], kwargs: Mapping[str, object]) -> RunIds:
     if len(args) > len(ID_NAMES):
         raise InvalidTask(f"expected 3 task arguments, got {len(args)}")
     values = dict(zip(ID_NAMES, args, strict=False))
+    twice = [name for name in values if name in kwargs]
+    if twice:
+        raise InvalidTask(f"task argument {twice[0]} is given twice, by position and by name")
     for name in ID_NAMES[len(args) :]:
         if name not in kwargs:
             raise InvalidTask(f"task argument {name} is missing")
@@ -92,6 +96,13 @@ def parse_ids(args: Sequence[object], kwargs: Mapping[str, object]) -> RunIds:
             raise InvalidTask(f"task argument {name} is longer than {MAX_ID_LENGTH} characters")
         if "\x00" in value:
             raise InvalidTask(f"task argument {name} contains a NUL character")
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidTask(
+                    f"task argument {name} is not text that storage can hold (a lone surrogate)"
+                ) from None
     return RunIds(**{name: str(value) for name, value in values.items()})
 
 

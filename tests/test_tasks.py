@@ -55,6 +55,8 @@ def test_ids_by_position_or_by_name() -> None:
         (("a", "b", "  "), {}, "run_id is empty"),
         (("a", "b", "x" * (MAX_ID_LENGTH + 1)), {}, "run_id is longer than 256 characters"),
         (("a\x00", "b", "c"), {}, "tenant_id contains a NUL character"),
+        (("a", "b", "fir_\ud800"), {}, "run_id is not text that storage can hold"),
+        (("a", "b"), {"tenant_id": "evil", "run_id": "c"}, "tenant_id is given twice"),
     ],
 )
 def test_anything_but_three_ids_is_refused(
