@@ -8,8 +8,8 @@ import asyncio
 import os
 import socket
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import asyncpg
