@@ -231,9 +231,16 @@ def alive(pid: int) -> bool:
 # ─── the fault application: the example's rules, plus a slow deploy and a poison run ──────
 
 SLOW_STATUS: Final = "slow"
-"""A ``deploy:finished`` with this status makes its notice run take :data:`SLOW_ACTION_S`."""
+"""A ``deploy:finished`` with this status makes its notice run wait for the test's release."""
 
-SLOW_ACTION_S: Final = 15.0
+SLOW_RELEASE_FILE: Final = "release-slow-runs"
+"""Created in ``RELAYR_HOME`` by the test once the broker handed the slow run over again."""
+
+SLOW_ACTION_MAX_S: Final = 50.0
+"""The longest a slow run waits for its release: below the example rules' 60 s timeout, so
+a test that never releases it still sees it succeed."""
+
+RELEASE_POLL_S: Final = 0.1
 
 
 class FaultEvent(Event, abstract=True, event_namespace="faults"):
@@ -263,12 +270,20 @@ POISON_RULE: Final = Rule(
 bound on a task that keeps killing its worker, not the rule's retry policy."""
 
 
-async def slow_or_deploy_notice(reaction: Reaction[Any]) -> dict[str, str]:
-    """The example's ``deploy_notice``, after :data:`SLOW_ACTION_S` for a ``slow`` deploy."""
-    event = reaction.events[-1].event
-    if isinstance(event, DeployFinished) and event.status == SLOW_STATUS:
-        await asyncio.sleep(SLOW_ACTION_S)
-    return await deploy_notice(reaction)
+def slow_or_deploy_notice(release: Path) -> Any:
+    """The example's ``deploy_notice``; a ``slow`` deploy's run first waits until ``release``
+    exists (at most :data:`SLOW_ACTION_MAX_S`), so it is still running when the test needs."""
+
+    async def action(reaction: Reaction[Any]) -> dict[str, str]:
+        event = reaction.events[-1].event
+        if isinstance(event, DeployFinished) and event.status == SLOW_STATUS:
+            for _ in range(int(SLOW_ACTION_MAX_S / RELEASE_POLL_S)):
+                if await asyncio.to_thread(release.exists):
+                    break
+                await asyncio.sleep(RELEASE_POLL_S)
+        return await deploy_notice(reaction)
+
+    return action
 
 
 async def poison(reaction: Reaction[Any]) -> None:
@@ -285,7 +300,11 @@ async def create_fault_app(settings: Settings) -> Application:
             events=[DeployFinished, IncidentOpened, Poisoned],
             rules=[*RULES, POISON_RULE],
         ),
-        actions={**ACTIONS, "deploy_notice": slow_or_deploy_notice, "poison": poison},
+        actions={
+            **ACTIONS,
+            "deploy_notice": slow_or_deploy_notice(settings.home.absolute() / SLOW_RELEASE_FILE),
+            "poison": poison,
+        },
         agent=triage_agent(),
         engines=storage.engines,
     )
@@ -552,7 +571,9 @@ def worker_figures(load: Load, log_dir: Path) -> dict[str, Any]:
     A delivery that ran to its end logs one outcome line with its task id; one whose pool
     process died logs none, but its worker logs a ``WorkerLostError`` naming the task. A task
     id seen more than once was delivered again: by the broker (a restored unacknowledged
-    message) or by Celery (a task retried after its worker was lost).
+    message) or by Celery (a task retried after its worker was lost). A message sent and never
+    seen with an outcome was lost, or its delivery was stopped without one (a task Celery
+    terminated on a broker connection loss, one of a SIGKILLed main process).
     """
     outcomes: Counter[str] = Counter()
     per_task: Counter[str] = Counter()
@@ -579,7 +600,7 @@ def worker_figures(load: Load, log_dir: Path) -> dict[str, Any]:
             _overlapped(sorted(found)) for found in ends.values() if len(found) > 1
         ),
         "tasks_lost_with_their_process": lost,
-        "messages_never_run": max(load.enqueued - len(per_task), 0),
+        "messages_without_outcome": max(load.enqueued - len(per_task), 0),
         "outcomes": dict(sorted(outcomes.items())),
         "workers": len(load.workers),
     }
@@ -846,7 +867,8 @@ def sweep_with_a_short_visibility_timeout(*, visibility_timeout_s: float) -> Fau
     """Once a slow run has run longer than ``visibility_timeout_s``, start a second worker
     whose visibility timeout is that short, on a queue of its own: at start, its transport
     puts back every message unacknowledged for longer (kombu's ``restore_visible``), the slow
-    run's included, and the first worker is handed a run it is still running."""
+    run's included, at the head of the queue, and the first worker is handed a run it is still
+    running. The slow run is released once that delivery was refused (``contended``)."""
 
     async def fault(load: Load) -> None:
         while True:
@@ -860,6 +882,7 @@ def sweep_with_a_short_visibility_timeout(*, visibility_timeout_s: float) -> Fau
                 break
             await asyncio.sleep(0.2)
         load.figures["runs_running_at_sweep"] = len(await load.running())
+        held = time.monotonic()
         sweeper = await load.start_worker(
             concurrency=1,
             queue=f"{load.settings.queue}.sweeper",
@@ -868,10 +891,27 @@ def sweep_with_a_short_visibility_timeout(*, visibility_timeout_s: float) -> Fau
             time_limit_s=visibility_timeout_s / 2,
         )
         load.count("sweeps")
-        await asyncio.sleep(1)
-        await asyncio.to_thread(sweeper.stop)
+        try:
+            load.figures["slow_run_refused_again"] = await _refused(
+                load.log_dir, {run.id for run in slow}, timeout_s=30.0
+            )
+        finally:
+            (load.settings.home.absolute() / SLOW_RELEASE_FILE).touch()
+            load.figures["slow_run_held_s"] = round(time.monotonic() - held, 1)
+            await asyncio.to_thread(sweeper.stop)
 
     return fault
+
+
+async def _refused(log_dir: Path, run_ids: set[str], *, timeout_s: float) -> bool:
+    """Wait until a worker logged a delivery of one of ``run_ids`` refused as ``contended``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log_lines(log_dir):
+            if line.get("outcome") == "contended" and line.get("run_id") in run_ids:
+                return True
+        await asyncio.sleep(0.5)
+    return False
 
 
 def terminate_worker(*, after_finished: int) -> Fault:
