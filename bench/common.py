@@ -354,6 +354,20 @@ def cpu_s(pid: int) -> float:
     return (int(after_name[11]) + int(after_name[12])) / _TICKS
 
 
+def run_delay_s(pid: int) -> float:
+    """How long the threads of ``pid`` waited on a run queue for a CPU, in seconds.
+
+    From each thread's ``/proc/<pid>/task/<tid>/schedstat`` (its second field, nanoseconds):
+    time it was ready to run but every core was busy, which on a shared machine is the cost of
+    the other processes' load.
+    """
+    waited = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            waited += int((task / "schedstat").read_text().split()[1])
+    return waited / 1e9
+
+
 def memory_kib(pid: int) -> dict[str, int]:
     """``VmHWM`` (peak RSS) and ``VmRSS`` of ``pid`` in KiB, from /proc/<pid>/status."""
     found: dict[str, int] = {}

@@ -12,15 +12,24 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.common import STORAGES, emit, storage_available
-from bench.end_to_end import Case, run_case
+from bench.end_to_end import EXPERIMENTS, Case, run_case
 
 
-def measure(storage: str, first: int, total_runs: int) -> dict[str, Any]:
+def measure(
+    storage: str,
+    first: int,
+    total_runs: int,
+    *,
+    experiments: tuple[str, ...] = (),
+    rate: float | None = None,
+) -> dict[str, Any]:
     case = Case(
         storage=storage,  # type: ignore[arg-type]
         n=total_runs,
         workers=1,
         batches=(first, total_runs - first),
+        experiments=experiments,
+        rate=rate,
     )
     early, late = run_case(case)
     ((pid, at_first),) = early["rss_kib"].items()
@@ -29,6 +38,8 @@ def measure(storage: str, first: int, total_runs: int) -> dict[str, Any]:
     return {
         "bench": "memory",
         "storage": storage,
+        "experiments": list(experiments),
+        "rate": rate,
         "pool_pid": int(pid),
         f"after_{first}": at_first,
         f"after_{total_runs}": at_total,
@@ -46,12 +57,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--first", type=int, default=200, help="runs before the first reading")
     parser.add_argument("--total", type=int, default=5000, help="runs before the second")
     parser.add_argument("--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite"])
+    parser.add_argument("--experiment", action="append", choices=EXPERIMENTS, default=[])
+    parser.add_argument("--rate", type=float, default=None, help="events/s (default: a burst)")
     args = parser.parse_args(argv)
     for storage in args.storage:
         if not storage_available(storage):
             emit({"bench": "memory", "storage": storage, "skipped": "a service is down"})
             continue
-        emit(measure(storage, args.first, args.total))
+        emit(
+            measure(
+                storage,
+                args.first,
+                args.total,
+                experiments=tuple(args.experiment),
+                rate=args.rate,
+            )
+        )
 
 
 if __name__ == "__main__":
