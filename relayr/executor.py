@@ -28,6 +28,7 @@ a few times inside these steps; each step is safe to repeat.
 """
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -99,6 +100,24 @@ nothing was recorded: whoever made it not current decided.
 
 ABANDONED: Final = "the attempt was abandoned: its executor stopped"
 """The error recorded for an attempt whose executor stopped before it ended."""
+
+WORKER_LOST: Final = "worker_lost"
+"""Why a run failed for good after its attempts kept losing their worker."""
+
+_LOST = re.compile(r"\((\d+) attempts? lost in a row\)$")
+
+
+def lost_in_a_row(run: Run) -> int:
+    """How many attempts of ``run`` in a row were abandoned before its current one.
+
+    ``start`` keeps the last failure's reason and error, so the count travels in the error the
+    claim wrote when it recorded the previous abandoned attempt.
+    """
+    if run.reason != "abandoned" or run.error is None:
+        return 0
+    found = _LOST.search(run.error)
+    return int(found.group(1)) if found else 1
+
 
 RULE_GONE: Final = "rule_gone"
 """The reason a run is cancelled with when its workspace no longer has its rule."""
@@ -214,7 +233,10 @@ async def _execute_leased(
     key = run_lease(run_id)
     release = True
     try:
-        claimed = await _unless_missing(lambda: _retried(lambda: _claim(rules, ref, run_id)))
+        max_lost = runtime.settings.max_redeliveries
+        claimed = await _unless_missing(
+            lambda: _retried(lambda: _claim(rules, ref, run_id, max_lost))
+        )
         if isinstance(claimed, Executed):
             _log_declined(log, claimed)
             metrics.record_run(None if claimed.run is None else claimed.run.rule, claimed.outcome)
@@ -301,11 +323,14 @@ async def fail_run(
 
 
 async def _claim(
-    rules: Workspaces, ref: WorkspaceRef, run_id: str
+    rules: Workspaces, ref: WorkspaceRef, run_id: str, max_lost: int
 ) -> tuple[Run, Rule, tuple[Envelope, ...]] | Executed:
     """Start an attempt of the run if it is due and first in its scope, in one transaction.
 
-    The attempt runs its rule as the claim reads it, with the envelopes that made it fire.
+    The attempt runs its rule as the claim reads it, with the envelopes that made it fire. A
+    leftover ``running`` attempt is recorded as failed (``abandoned``); past ``max_lost`` such
+    attempts in a row the run is failed for good (``worker_lost``), since an action that kills
+    its worker would otherwise kill one worker per attempt of its retry policy.
     """
     async with rules.storage.transaction(ref) as transaction:
         run = await transaction.run(run_id)
@@ -320,7 +345,13 @@ async def _claim(
             return Executed("not_due", run, f"run {run_id} waits: rule {rule.name} is disabled")
         if run.status == "running":
             # We hold the lease, so the executor of this attempt stopped renewing it.
-            failed, fact = fail(run, rule, now=now, error=ABANDONED, reason="abandoned")
+            lost = lost_in_a_row(run) + 1
+            error = f"{ABANDONED} ({lost} {'attempt' if lost == 1 else 'attempts'} lost in a row)"
+            failed, fact = (
+                fail(run, rule, now=now, error=error, reason=WORKER_LOST, permanent=True)
+                if lost > max_lost
+                else fail(run, rule, now=now, error=error, reason="abandoned")
+            )
             await _save(transaction, failed, fact)
             return Executed(
                 "abandoned",

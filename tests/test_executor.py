@@ -407,6 +407,35 @@ async def test_an_attempt_whose_executor_stopped_is_recorded_abandoned(harness: 
     assert harness.gates.calls == 1
 
 
+async def test_a_run_whose_attempts_keep_losing_their_worker_dies_worker_lost(
+    harness: Harness,
+) -> None:
+    """An action that kills its worker: each claim finds its attempt abandoned; past the bound
+    the run is failed for good, before its retry policy (3 attempts) would let it kill more."""
+    run_id = await harness.fire(Timed())
+    worker = harness.other_worker(max_redeliveries=1)
+    storage = harness.rules.storage
+    outcomes = []
+    for _ in range(2):
+        async with storage.transaction(REF) as transaction:
+            waiting = await transaction.run(run_id)
+            assert waiting is not None
+            started, _ = start(waiting, now=harness.rules.clock())  # then its worker dies
+            await transaction.save_runs([started])
+        executed = await harness.execute(run_id, worker)
+        assert executed.run is not None
+        outcomes.append((executed.outcome, executed.run.status, executed.run.reason))
+
+    assert outcomes == [
+        ("abandoned", "retrying", "abandoned"),
+        ("abandoned", "dead", "worker_lost"),
+    ]
+    stored = await harness.run(run_id)
+    assert stored.error is not None
+    assert "(2 attempts lost in a row)" in stored.error
+    assert harness.gates.calls == 0
+
+
 async def test_the_rule_timeout_is_honoured(harness: Harness) -> None:
     run_id = await harness.fire(Timed())
 

@@ -192,14 +192,6 @@ def poison(thread_id: str) -> Sequence[tuple[str, Any]]:
     return [("poison-1", Poisoned(label="out of memory"))]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="relayr bug: the worker-lost bound counts Celery retries of one message, but once "
-    "the killed attempt's lease lapses the dispatcher sends a fresh message (retries=0) and the "
-    "claim records the attempt 'abandoned' (retried by the rule's policy), so the run kills a "
-    "pool process once per rule attempt and ends dead 'abandoned', never 'worker_lost' "
-    "(tasks/runs.py bound on request.retries; relayr/executor.py _claim; relayr/dispatch.py)",
-)
 @pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_a_poison_run_is_failed_after_a_bounded_number_of_deliveries(
     tmp_path: Path, redis_server: PrivateRedis
