@@ -36,7 +36,7 @@ import click
 
 from relayr.errors import RelayrError
 from relayr.logging import configure_logging
-from relayr.settings import PREFIX, Settings
+from relayr.settings import Settings
 
 if TYPE_CHECKING:
     from artifactr import UserActor as ArtifactUserActor
@@ -143,20 +143,6 @@ def load_settings() -> Settings:
         return Settings.from_env()
     except RelayrError as error:
         raise BadInput(error.message) from None
-
-
-def child_environment(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a worker subprocess: this one's, with ``overrides`` for ``RELAYR_*``.
-
-    With overrides, every other ``RELAYR_*`` variable is left out, so the child runs on exactly
-    the settings given (the demo's embedded defaults) and not on the caller's.
-    """
-    # Read only to pass on to a child process; relayr's own settings come from Settings.
-    environment = dict(os.environ)
-    if overrides is not None:
-        environment = {k: v for k, v in environment.items() if not k.startswith(PREFIX)}
-        environment.update(overrides)
-    return environment
 
 
 def in_runtime[T](

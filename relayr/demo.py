@@ -31,7 +31,6 @@ from reflexr.workspace import Workspace as RuleWorkspace
 
 from relayr.cli import (
     WorkerProcessHandle,
-    child_environment,
     cli_user,
     format_entry,
     read_thread,
@@ -39,7 +38,7 @@ from relayr.cli import (
 )
 from relayr.logging import configure_logging
 from relayr.runtime import Runtime
-from relayr.settings import Settings
+from relayr.settings import Settings, child_environment
 
 TENANT: Final = "demo"
 WORKSPACE: Final = "ops"

@@ -241,3 +241,18 @@ _POSITIVE = (
     "dispatch_interval_s",
     "requeue_after_s",
 )
+
+
+def child_environment(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child process (a worker the CLI starts): this one's, with
+    ``overrides`` for ``RELAYR_*``.
+
+    With overrides, every other ``RELAYR_*`` variable is left out, so the child runs on exactly
+    the settings given (the demo's embedded defaults) and not on the caller's. It lives here
+    because this module is the one place that reads the environment.
+    """
+    environment = dict(os.environ)
+    if overrides is not None:
+        environment = {k: v for k, v in environment.items() if not k.startswith(PREFIX)}
+        environment.update(overrides)
+    return environment
