@@ -11,7 +11,7 @@ its turn (ADR-0026).
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final, Literal
 
 from artifactr import SystemActor as ArtifactSystemActor
@@ -54,7 +54,12 @@ RUN_FACTS: Final = (
 )
 
 type Enqueue = Callable[[str, str, str], Awaitable[None]]
-type TurnStatus = Literal["completed", "failed", "stopped", "running", "untaken"]
+type TurnStatus = Literal["completed", "failed", "stopped", "running", "stalled", "untaken"]
+
+STALLED_AFTER: Final = timedelta(minutes=2)
+"""How long a turn may go without an event before ``runs show`` calls it stalled. artifactr
+does not redo a turn whose process died (its message counts as taken), so ops must see it:
+far longer than the Runner's claim TTL (30 s), which a live turn renews."""
 
 
 @dataclass(frozen=True)
@@ -211,7 +216,7 @@ async def show_run(
     facts = await rules.storage.read(ref, after_seq=0, types=RUN_FACTS)
     attempts = _attempts((envelope.event, envelope.ts) for envelope in facts)
     emissions = await ledger.emissions(row.workspace, row.id)
-    turns = await _turns(artifacts, row.workspace, emissions)
+    turns = await _turns(artifacts, row.workspace, emissions, now=rules.clock())
     return RunReport(run=row, attempts=attempts, emissions=emissions, turns=turns)
 
 
@@ -303,7 +308,11 @@ def _attempts(facts: Iterable[tuple[object, datetime]]) -> list[Attempt]:
 
 
 async def _turns(
-    artifacts: ArtifactWorkspaces, workspace: WorkspaceKey, emissions: Sequence[EmissionRecord]
+    artifacts: ArtifactWorkspaces,
+    workspace: WorkspaceKey,
+    emissions: Sequence[EmissionRecord],
+    *,
+    now: datetime,
 ) -> list[Turn]:
     sent = {(r.thread_id, r.message_id) for r in emissions if r.kind == "message"}
     if not sent:
@@ -315,9 +324,13 @@ async def _turns(
         return [Turn(message, thread, None, "untaken") for thread, message in sorted(sent)]
     started: dict[str, str] = {}
     ended: dict[str, RunEnded] = {}
+    last_seen: dict[str, datetime] = {}
     for envelope in log:
+        if envelope.run_id is not None:
+            last_seen[envelope.run_id] = envelope.ts
         event = envelope.event
         if isinstance(event, RunStarted):
+            last_seen.setdefault(event.run_id, envelope.ts)
             for message_id in event.message_ids:
                 started.setdefault(message_id, event.run_id)
         elif isinstance(event, RunEnded):
@@ -330,6 +343,13 @@ async def _turns(
         elif turn_id in ended:
             end = ended[turn_id]
             turns.append(Turn(message, thread, turn_id, end.status, end.reason))
+        elif now - last_seen.get(turn_id, now) > STALLED_AFTER:
+            quiet = int((now - last_seen[turn_id]).total_seconds())
+            reason = (
+                f"no event from the turn for {quiet} s: if its worker died, artifactr will not "
+                "answer this message; post it again"
+            )
+            turns.append(Turn(message, thread, turn_id, "stalled", reason))
         else:
             turns.append(Turn(message, thread, turn_id, "running"))
     return turns

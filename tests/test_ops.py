@@ -278,3 +278,56 @@ async def test_dry_run_changes_nothing_and_cancel_and_skip_are_reflexrs(ops: Ops
     assert not again.ok
     assert "skipped" in again.detail
     assert await find_run(ops.rules, "fir_missing") is None
+
+
+async def test_a_turn_that_went_quiet_is_shown_stalled(tmp_path: Path) -> None:
+    """artifactr never redoes a turn whose process died: ``runs show`` must tell ops."""
+    from datetime import UTC, datetime
+
+    from artifactr.workspace import InMemoryStorage as ArtifactMemory
+
+    from relayr.ledger import InMemoryLedger
+    from relayr.ops import STALLED_AFTER, _turns
+
+    hold = asyncio.Event()
+
+    async def never(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        await hold.wait()
+        return ModelResponse(parts=[TextPart("late")])
+
+    agent = Agent(
+        function_model(never),
+        deps_type=Session[None],
+        capabilities=[ArtifactWorkspace(types=[Note])],
+    )
+    from artifactr.agent import Runner
+
+    artifacts = ArtifactWorkspaces(ArtifactMemory())
+    runner: Runner[None] = Runner(agent, app=None)
+    handle = await artifacts.open(TENANT, WORKSPACE, actor=UserActor(id="alice"))
+    thread = (await handle.create_thread("t")).id
+    sent = await runner.send(handle, thread, "look", message_id="msg_1")
+    assert sent.run is not None
+    ledger = InMemoryLedger()
+    from relayr.emissions import EmissionRecord
+
+    record = EmissionRecord(
+        kind="message", rule="ops:crash", run_id="fir_1", attempt=1, epoch=1,
+        tenant_id=TENANT, workspace_id=WORKSPACE, thread_id=thread, message_id="msg_1",
+        policy="turn", outcome="posted", content="look", emitted_at=datetime.now(UTC),
+    )  # fmt: skip
+    await ledger.record_emission(record)
+    records = await ledger.emissions(KEY, "fir_1")
+    try:
+        for _ in range(100):  # until the turn has recorded its start
+            [now] = await _turns(artifacts, KEY, records, now=datetime.now(UTC))
+            if now.status != "untaken":
+                break
+            await asyncio.sleep(0.02)
+        later = datetime.now(UTC) + STALLED_AFTER + timedelta(seconds=5)
+        [quiet] = await _turns(artifacts, KEY, records, now=later)
+    finally:
+        await runner.aclose()
+    assert (now.status, now.turn_id) == ("running", sent.run.run_id)
+    assert quiet.status == "stalled"
+    assert "post it again" in (quiet.reason or "")
