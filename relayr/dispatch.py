@@ -12,8 +12,11 @@ same attempt (status, attempts, epoch) is not enqueued again until ``requeue_aft
 passed: by then its message is presumed lost (a broker that lost it, a worker killed before it
 claimed the run) and it is enqueued again. A run whose attempt changed is enqueued at once. A
 duplicate costs one claim that is declined (``contended`` or ``not_due``), never a second
-attempt; a lost message costs ``requeue_after_s``. A restarted dispatcher knows nothing and
-enqueues every due run once more, which is the same harmless duplicate.
+attempt; a lost message costs ``requeue_after_s``. Each further re-enqueue of the same attempt
+waits twice as long as the one before (up to :data:`MAX_REQUEUE_FACTOR` times), because a run
+still due after a re-enqueue most likely waits behind a backlog rather than being lost: without
+the doubling a queue that is minutes behind would fill with copies of its own runs. A restarted
+dispatcher knows nothing and enqueues every due run once more, the same harmless duplicate.
 """
 
 import asyncio
@@ -35,6 +38,10 @@ type Enqueue = Callable[[str, str, str], Awaitable[None]]
 
 type _RunKey = tuple[str, str, str]
 type _Attempt = tuple[RunStatus, int, int]
+
+MAX_REQUEUE_FACTOR: Final = 16
+"""The longest wait before the same attempt is enqueued again, in ``requeue_after_s``: 16 min
+at the default, so even a run whose every message is lost is found again within that."""
 
 DUE_LIMIT: Final = 1000
 """How many due runs one pass reads. More wait for the next pass, which comes as soon as the
@@ -94,7 +101,8 @@ class Dispatcher:
         self._interval_s = runtime.settings.dispatch_interval_s
         self._monotonic = monotonic
         self._limit = limit
-        self._queued: dict[_RunKey, tuple[_Attempt, float]] = {}
+        self._queued: dict[_RunKey, tuple[_Attempt, float, float]] = {}
+        """Per run: the attempt enqueued, when, and how long to wait before enqueueing it again."""
 
     async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
         """Tick, evaluate, and enqueue every due run whose attempt is not queued already.
@@ -117,12 +125,18 @@ class Dispatcher:
             attempt: _Attempt = (run.status, run.attempts, run.epoch)
             listed.add(key)
             queued = self._queued.get(key)
+            wait_s = self._requeue_after_s
             if queued is not None and queued[0] == attempt:
-                if now - queued[1] < self._requeue_after_s:
+                if now - queued[1] < queued[2]:
                     waiting += 1
                     continue
+                wait_s = min(queued[2] * 2, self._requeue_after_s * MAX_REQUEUE_FACTOR)
                 logger.info(
-                    "run still due: enqueued again", run_id=run.id, status=run.status, key=key
+                    "run still due: enqueued again",
+                    run_id=run.id,
+                    status=run.status,
+                    key=key,
+                    next_in_s=wait_s,
                 )
             try:
                 await enqueue(*key)
@@ -130,7 +144,7 @@ class Dispatcher:
                 logger.exception("enqueueing a run failed", run_id=run.id, key=key)
                 failed += 1
                 continue
-            self._queued[key] = (attempt, now)
+            self._queued[key] = (attempt, now, wait_s)
             enqueued += 1
         self._forget(listed, now)
         done = DispatchPass(ticks, firings, len(due), enqueued, waiting, failed)
@@ -167,5 +181,5 @@ class Dispatcher:
         self._queued = {
             key: queued
             for key, queued in self._queued.items()
-            if key in listed or now - queued[1] < self._requeue_after_s
+            if key in listed or now - queued[1] < queued[2]
         }

@@ -190,6 +190,27 @@ async def test_a_run_still_due_after_requeue_after_s_is_enqueued_again(harness: 
     assert after == []
 
 
+async def test_each_further_requeue_of_one_attempt_waits_twice_as_long(harness: Harness) -> None:
+    """A run still due after a re-enqueue waits behind a backlog: copies must not pile up."""
+    from relayr.dispatch import MAX_REQUEUE_FACTOR
+
+    await harness.publish(Ping())
+    _, [run_id] = await harness.dispatch()
+    waits = []
+    for _ in range(7):
+        waited = 0.0
+        while True:
+            harness.clock.now += REQUEUE_AFTER_S / 4
+            waited += REQUEUE_AFTER_S / 4
+            _, again = await harness.dispatch()
+            if again:
+                assert again == [run_id]
+                waits.append(waited / REQUEUE_AFTER_S)
+                break
+
+    assert waits == [1, 2, 4, 8, 16, MAX_REQUEUE_FACTOR, MAX_REQUEUE_FACTOR]
+
+
 async def test_a_run_at_its_next_attempt_is_enqueued_at_once(harness: Harness) -> None:
     await harness.publish(Ping(mode="fail"))
     _, [run_id] = await harness.dispatch()
