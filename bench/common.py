@@ -92,6 +92,13 @@ def note(message: str) -> None:
     sys.stderr.flush()
 
 
+def quiet_logging() -> None:
+    """relayr's log lines at WARNING and above, on stderr: stdout carries only the figures."""
+    from relayr.logging import configure_logging
+
+    configure_logging("console", level="WARNING")
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on, and how busy it was."""
     return {

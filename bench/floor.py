@@ -29,6 +29,7 @@ from bench.common import (
     machine,
     note,
     percentile,
+    quiet_logging,
     storage_available,
 )
 from relayr.application import open_storage
@@ -112,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]
     )
     args = parser.parse_args(argv)
+    quiet_logging()
     for storage in args.storage:
         if not storage_available(storage):
             emit({"bench": "floor", "storage": storage, "skipped": "PostgreSQL is down"})

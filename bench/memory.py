@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from bench.common import STORAGES, emit, storage_available
+from bench.common import STORAGES, emit, quiet_logging, storage_available
 from bench.end_to_end import EXPERIMENTS, Case, run_case
 
 
@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--experiment", action="append", choices=EXPERIMENTS, default=[])
     parser.add_argument("--rate", type=float, default=None, help="events/s (default: a burst)")
     args = parser.parse_args(argv)
+    quiet_logging()
     for storage in args.storage:
         if not storage_available(storage):
             emit({"bench": "memory", "storage": storage, "skipped": "a service is down"})

@@ -19,7 +19,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, Final
 
-from bench.common import STORAGES, emit, storage_available
+from bench.common import STORAGES, emit, quiet_logging, storage_available
 from bench.end_to_end import Case, run_case
 
 TARGET_PER_NOTICE_RUN: Final = 6
@@ -60,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]
     )
     args = parser.parse_args(argv)
+    quiet_logging()
     for storage in args.storage:
         if not storage_available(storage):
             emit({"bench": "transactions", "storage": storage, "skipped": "a service is down"})
