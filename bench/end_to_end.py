@@ -344,7 +344,11 @@ def round_figures(
     probe: Probe,
     publish_s: float,
 ) -> dict[str, Any]:
-    """The figures of one round, from its publish stamps, its notices and two probe reads."""
+    """The figures of one round, from its publish stamps, its notices and two probe reads.
+
+    Per-run figures of the workers are over the runs whose notices are in (all of them, unless
+    the round timed out); the publish's and the dispatcher's over every event published.
+    """
     latencies = [
         (watch.seen[service] - stamp).total_seconds() * 1000
         for service, stamp in published.items()
@@ -385,9 +389,11 @@ def round_figures(
             )
         },
         "transactions": {
-            "worker_per_run": _per(workers["begin"], n),
+            "worker_per_run": _per(workers["begin"], complete),
             "publish_per_run": _per(engines["publish"]["begin"], n),
-            "notice_run_with_publish": _per(workers["begin"] + engines["publish"]["begin"], n),
+            "notice_run_with_publish": _per(
+                workers["begin"] * n / max(complete, 1) + engines["publish"]["begin"], n
+            ),
             "dispatch_per_run": _per(engines["dispatch"]["begin"], n),
             "dispatch_per_pass": _per(engines["dispatch"]["begin"], passes),
             "dispatch_passes": passes,
@@ -396,8 +402,10 @@ def round_figures(
             "publish": engines["publish"],
             "dispatch": engines["dispatch"],
         },
-        "cpu_ms_per_run": {name: _per(seconds * 1000, n) for name, seconds in cpu.items()},
-        "run_queue_ms_per_run": {name: _per(seconds * 1000, n) for name, seconds in waited.items()},
+        "cpu_ms_per_run": {name: _per(seconds * 1000, complete) for name, seconds in cpu.items()},
+        "run_queue_ms_per_run": {
+            name: _per(seconds * 1000, complete) for name, seconds in waited.items()
+        },
         "wall_s": round(after["at"] - before["at"], 2),
         "rss_kib": {str(pid): memory_kib(pid) for pid in probe.pool},
     }
