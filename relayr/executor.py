@@ -286,14 +286,11 @@ async def fail_run(
 
     async def record() -> Executed:
         async with rules.storage.transaction(ref) as transaction:
-            run = await transaction.run(run_id)
-            if run is None:
-                raise _Missing(_missing(ref, run_id))
             now = rules.clock()
-            found = (await rules.rules_in(transaction)).get(run.rule)
-            if found is None:
-                return await _cancel_orphan(transaction, run, now)
-            rule = found.rule
+            loaded = await _run_and_rule(rules, transaction, ref, run_id, now)
+            if isinstance(loaded, Executed):
+                return loaded
+            run, rule = loaded
             if run.status in WAITING:
                 run, started = start(run, now=now)
                 await _save(transaction, run, started)
@@ -333,14 +330,11 @@ async def _claim(
     its worker would otherwise kill one worker per attempt of its retry policy.
     """
     async with rules.storage.transaction(ref) as transaction:
-        run = await transaction.run(run_id)
-        if run is None:
-            raise _Missing(_missing(ref, run_id))
         now = rules.clock()
-        found = (await rules.rules_in(transaction)).get(run.rule)
-        if found is None:
-            return await _cancel_orphan(transaction, run, now)
-        rule = found.rule
+        loaded = await _run_and_rule(rules, transaction, ref, run_id, now)
+        if isinstance(loaded, Executed):
+            return loaded
+        run, rule = loaded
         if not rule.enabled:
             return Executed("not_due", run, f"run {run_id} waits: rule {rule.name} is disabled")
         if run.status == "running":
@@ -562,6 +556,23 @@ async def _cancel_orphan(transaction: Transaction, run: Run, now: datetime) -> E
     return Executed(
         "cancelled", cancelled, f"run {run.id} was cancelled: its rule {run.rule} is gone"
     )
+
+
+async def _run_and_rule(
+    rules: Workspaces, transaction: Transaction, ref: WorkspaceRef, run_id: str, now: datetime
+) -> tuple[Run, Rule] | Executed:
+    """The run and its rule as the transaction reads them.
+
+    A run whose rule the workspace no longer has is cancelled instead, so it stops being due;
+    a missing run rolls the transaction back (:class:`_Missing`).
+    """
+    run = await transaction.run(run_id)
+    if run is None:
+        raise _Missing(_missing(ref, run_id))
+    found = (await rules.rules_in(transaction)).get(run.rule)
+    if found is None:
+        return await _cancel_orphan(transaction, run, now)
+    return run, found.rule
 
 
 class _Missing(Exception):
