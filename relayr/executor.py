@@ -360,9 +360,13 @@ async def _claim(
             return Executed(
                 "not_due", run, f"run {run_id} is due at {run.next_attempt_at.isoformat()}"
             )
-        scope_runs = await transaction.scope_runs(run.rule, run.scope_key)
-        if run.id not in {r.id for r in runnable(scope_runs, rule, now=now)}:
-            return Executed("not_due", run, f"run {run_id} waits: it is not first in its scope")
+        # For an unordered rule, runnable() keeps every waiting, due run: what was just checked.
+        # Reading the scope then would decode every unfinished run of the rule per claim, which
+        # grows with a burst's backlog (docs/performance.md, "What bounds it", 2).
+        if rule.ordering == "scope":
+            scope_runs = await transaction.scope_runs(run.rule, run.scope_key)
+            if run.id not in {r.id for r in runnable(scope_runs, rule, now=now)}:
+                return Executed("not_due", run, f"run {run_id} waits: it is not first in its scope")
         started, begun = start(run, now=now)
         await _save(transaction, started, begun)
         events: list[Envelope] = []
