@@ -18,25 +18,48 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.worker]
 
 
-def run_bench(*arguments: str) -> list[dict[str, Any]]:
-    done = subprocess.run(
-        [sys.executable, "-m", *arguments],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    lines = [line for line in done.stdout.splitlines() if line.strip()]
-    return [json.loads(line) for line in lines]  # every line of stdout is one JSON object
+COMMANDS = {
+    "end_to_end": ("bench.end_to_end", "--n", "6", "--workers", "1", "--storage", "sqlite"),
+    "floor": ("bench.floor", "--n", "5", "--storage", "sqlite"),
+    "transactions": ("bench.transactions", "--n", "4", "--storage", "sqlite"),
+    "memory": ("bench.memory", "--first", "2", "--total", "5", "--storage", "sqlite"),
+}
+"""Each benchmark at a tiny N. They run at once (each case has its own home, queue and
+SQLite file), so the module takes about as long as the slowest one."""
 
 
-def test_end_to_end_prints_runs_per_second_latency_and_transactions() -> None:
-    printed = run_bench("bench.end_to_end", "--n", "6", "--workers", "1", "--storage", "sqlite")
-    kinds = [figures["bench"] for figures in printed]
+@pytest.fixture(scope="module")
+def printed() -> dict[str, list[dict[str, Any]]]:
+    """What each benchmark printed on stdout, one JSON object per line."""
+    running = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", *arguments],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, arguments in COMMANDS.items()
+    }
+    outputs: dict[str, list[dict[str, Any]]] = {}
+    for name, process in running.items():
+        try:
+            stdout, stderr = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        assert process.returncode == 0, f"{name}: {stderr[-4000:]}"
+        # every line of stdout is one JSON object
+        outputs[name] = [json.loads(line) for line in stdout.splitlines() if line.strip()]
+    return outputs
+
+
+def test_end_to_end_prints_runs_per_second_latency_and_transactions(
+    printed: dict[str, list[dict[str, Any]]],
+) -> None:
+    kinds = [figures["bench"] for figures in printed["end_to_end"]]
     assert kinds == ["machine", "floor", "end_to_end"]
-    machine, floor, figures = printed
+    machine, floor, figures = printed["end_to_end"]
     assert machine["cores"] >= 1
     assert len(machine["load_avg"]) == 3
     assert floor["transactions_per_commit"] == 1.0
@@ -55,15 +78,17 @@ def test_end_to_end_prints_runs_per_second_latency_and_transactions() -> None:
     assert rss["VmHWM"] >= rss["VmRSS"] > 0
 
 
-def test_floor_prints_milliseconds_per_commit() -> None:
-    (figures,) = run_bench("bench.floor", "--n", "5", "--storage", "sqlite")
+def test_floor_prints_milliseconds_per_commit(printed: dict[str, list[dict[str, Any]]]) -> None:
+    (figures,) = printed["floor"]
     assert figures["bench"] == "floor"
     assert figures["ms_per_commit"] > 0
     assert figures["transactions_per_commit"] == 1.0
 
 
-def test_transactions_prints_counts_per_notice_run_and_per_pass() -> None:
-    (figures,) = run_bench("bench.transactions", "--n", "4", "--storage", "sqlite")
+def test_transactions_prints_counts_per_notice_run_and_per_pass(
+    printed: dict[str, list[dict[str, Any]]],
+) -> None:
+    (figures,) = printed["transactions"]
     assert figures["bench"] == "transactions"
     assert figures["publish_per_run"] == 1.0
     assert figures["per_notice_run"] == figures["worker_per_run"] + 1.0
@@ -71,8 +96,8 @@ def test_transactions_prints_counts_per_notice_run_and_per_pass() -> None:
     assert isinstance(figures["met"], bool)
 
 
-def test_memory_prints_peak_rss_after_each_round() -> None:
-    (figures,) = run_bench("bench.memory", "--first", "2", "--total", "5", "--storage", "sqlite")
+def test_memory_prints_peak_rss_after_each_round(printed: dict[str, list[dict[str, Any]]]) -> None:
+    (figures,) = printed["memory"]
     assert figures["bench"] == "memory"
     assert figures["after_2"]["VmHWM"] > 0
     assert figures["after_5"]["VmHWM"] >= figures["after_2"]["VmHWM"]
