@@ -602,7 +602,11 @@ def full_sweep(args: argparse.Namespace) -> list[Case]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.end_to_end", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.end_to_end",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--n", type=int, nargs="+", default=[1000], help="events per case")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="pool processes")
     parser.add_argument(

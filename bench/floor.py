@@ -107,7 +107,11 @@ def measure(storage: StorageKind, n: int) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.floor",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--n", type=int, nargs="+", default=[1000])
     parser.add_argument(
         "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]

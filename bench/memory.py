@@ -53,7 +53,11 @@ def measure(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--first", type=int, default=200, help="runs before the first reading")
     parser.add_argument("--total", type=int, default=5000, help="runs before the second")
     parser.add_argument("--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite"])

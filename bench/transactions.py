@@ -53,7 +53,11 @@ def measure(storage: str, n: int, workers: int = 1) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.transactions", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.transactions",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--n", type=int, default=200)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument(
