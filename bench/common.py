@@ -406,8 +406,9 @@ def _clear_queue(queue: str) -> None:
 
     client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT)
     try:
-        keys = [*client.scan_iter(match=f"{queue}*"), f"_kombu.binding.{queue}".encode()]
-        client.delete(*keys)
+        keys = [*client.scan_iter(match=f"{queue}*"), *client.scan_iter(match=f"_kombu.*{queue}")]
+        if keys:
+            client.delete(*keys)
     finally:
         client.close()
 
