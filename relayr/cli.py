@@ -8,7 +8,8 @@ the command before it writes anything, with one line naming what is wrong and ex
 - ``relayr worker``: a Celery worker for relayr's run tasks (prefork: one event loop per pool
   process, see :mod:`tasks.worker`).
 - ``relayr dispatch``: the dispatcher: evaluates rules and queues each due run once per attempt.
-- ``relayr run``: both on one machine: the dispatcher here and a worker in a subprocess.
+- ``relayr run``: both on one machine: the dispatcher here and a worker in a subprocess, started
+  again when it exits (:mod:`relayr.supervisor`).
 - ``relayr publish``, ``relayr thread create``, ``relayr thread show``: publish an event, open a
   thread, read what the rules and the agent wrote in it.
 - ``relayr demo``: the example application end to end, with a summary that checks the counts.
@@ -37,6 +38,13 @@ import click
 from relayr.errors import RelayrError
 from relayr.logging import configure_logging
 from relayr.settings import Settings
+from relayr.supervisor import (
+    RESTART_DELAY_MAX_S,
+    RESTART_DELAY_S,
+    RestartPolicy,
+    WorkerSupervisor,
+    status_path,
+)
 
 if TYPE_CHECKING:
     from artifactr import UserActor as ArtifactUserActor
@@ -221,8 +229,16 @@ class WorkerProcessHandle:
             start_new_session=True,
         )
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        """The exit code (negative: the signal that ended it), or None while it runs."""
+        return self.process.poll()
+
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.poll() is None
 
     def stop(self, timeout_s: float) -> int:
         """Warm shutdown (SIGTERM): running tasks finish, turns get their grace; then SIGKILL."""
@@ -336,6 +352,13 @@ def check_worker_inputs(settings: Settings) -> None:
     Pool processes load both when they start; without this check a worker would start, and
     every run would fail in its pool processes instead.
     """
+    problem = worker_input_problem(settings)
+    if problem is not None:
+        raise BadInput(problem)
+
+
+def worker_input_problem(settings: Settings) -> str | None:
+    """What keeps a worker from starting (its allowlist or application), or None."""
     from relayr.allowlist import load_allowlist
     from relayr.application import load_factory
 
@@ -343,7 +366,8 @@ def check_worker_inputs(settings: Settings) -> None:
         load_allowlist(settings.allowlist)
         load_factory(settings.app)
     except RelayrError as error:
-        raise BadInput(error.message) from None
+        return error.message
+    return None
 
 
 def serve_metrics(
@@ -430,32 +454,67 @@ def dispatch(metrics_port: int | None) -> None:
     show_default=True,
     help="The worker's pool processes.",
 )
-def run(concurrency: int) -> None:
-    """Run the main job on one machine: the dispatcher here, a worker in a subprocess."""
+@click.option(
+    "--restart-delay",
+    "restart_delay_s",
+    type=click.FloatRange(min=0.1),
+    default=RESTART_DELAY_S,
+    show_default=True,
+    help="Seconds before a worker that exited is started again; doubles with each exit in a row.",
+)
+@click.option(
+    "--restart-delay-max",
+    "restart_delay_max_s",
+    type=click.FloatRange(min=0.1),
+    default=RESTART_DELAY_MAX_S,
+    show_default=True,
+    help="The longest wait between starts of a worker that keeps exiting.",
+)
+def run(concurrency: int, restart_delay_s: float, restart_delay_max_s: float) -> None:
+    """Run the main job on one machine: the dispatcher here, a worker in a subprocess.
+
+    A worker that exits is started again after a back-off (--restart-delay, doubling up to
+    --restart-delay-max, back to the first after a minute up); each exit and start is logged,
+    and `relayr health --worker` is unhealthy while it is down. A worker whose settings,
+    allowlist or application cannot be loaded is not started again: relayr run stops with one
+    line and exit code 2. Ctrl-C or SIGTERM stops the dispatcher, then the worker (warm
+    shutdown), and exits 0.
+    """
+    if restart_delay_max_s < restart_delay_s:
+        raise BadInput(
+            f"--restart-delay-max {restart_delay_max_s:g} is below --restart-delay "
+            f"{restart_delay_s:g}"
+        )
     settings = load_settings()
+    check_worker_inputs(settings)
     configure_logging(settings.log_format)
-    handle = WorkerProcessHandle(concurrency=concurrency)
-    code = 0
+    supervisor = WorkerSupervisor(
+        lambda: WorkerProcessHandle(concurrency=concurrency),
+        status_path(settings.home),
+        policy=RestartPolicy(first_s=restart_delay_s, max_s=restart_delay_max_s),
+        stop_timeout_s=settings.turn_grace_s + WORKER_STOP_MARGIN_S,
+    )
+    supervisor.start()
     try:
 
-        async def work(runtime: "Runtime") -> None:
-            nonlocal code
+        async def work(runtime: "Runtime") -> str:
             stop = asyncio.Event()
             stop_on_signals(stop)
             dispatcher = asyncio.create_task(serve_dispatcher(runtime, stop))
-            while not stop.is_set() and not dispatcher.done():
-                if not handle.alive():
-                    click.echo(f"the worker exited ({handle.process.returncode})", err=True)
-                    code = 1
-                    stop.set()
-                await asyncio.sleep(0.5)
-            stop.set()
-            await dispatcher
+            try:
+                return await supervisor.supervise(stop, alongside=dispatcher)
+            finally:
+                stop.set()
+                await dispatcher
 
-        in_runtime(settings, work, role="dispatcher")
+        supervised = in_runtime(settings, work, role="dispatcher")
     finally:
-        handle.stop(settings.turn_grace_s + WORKER_STOP_MARGIN_S)
-    sys.exit(code)
+        supervisor.stop()
+    if supervised == "cannot_start":
+        problem = worker_input_problem(settings) or (
+            f"it exited with code {EXIT_BAD_INPUT}, bad input (its error is above)"
+        )
+        raise BadInput(f"the worker cannot start, so relayr run stops: {problem}")
 
 
 @cli.command()

@@ -12,8 +12,15 @@ whose pool is full (or whose only process runs a long task) cannot answer it in 
   writable); **reaches the database**: ``SELECT 1``. Each with its own timeout, run together,
   so the whole check ends within ``--timeout`` and names every failure, not the first.
 
-``--liveness`` checks the heartbeat alone: a liveness probe that also needed Redis would restart
-every worker at once during a Redis outage, which helps nothing (ADR-0031).
+- **Supervised**: when ``relayr run`` runs the worker, its status file
+  (:mod:`relayr.supervisor`) says whether the worker is up or down and waiting to be started
+  again; ``--worker`` is unhealthy while it is down, naming how it ended (ADR-0033). A worker
+  killed by SIGKILL leaves a heartbeat that looks fresh for up to ``--max-age``: the status says
+  it is gone at once.
+
+``--liveness`` checks the heartbeat alone (and the supervisor's status, another file read): a
+liveness probe that also needed Redis would restart every worker at once during a Redis
+outage, which helps nothing (ADR-0031).
 
 The heartbeat lives under ``RELAYR_HOME`` (``health/<role>.heartbeat``), so the probe finds it
 with the same settings as the process it checks.
@@ -38,6 +45,7 @@ from sqlalchemy.pool import NullPool
 
 from relayr.errors import RelayrError
 from relayr.settings import Settings
+from relayr.supervisor import read_status, status_path
 
 type HealthRole = Literal["worker", "dispatcher"]
 
@@ -73,6 +81,8 @@ class HealthReport:
 
     role: HealthRole | None
     checks: tuple[Check, ...]
+    supervisor: dict[str, Any] | None = None
+    """``relayr run``'s status of its worker (:mod:`relayr.supervisor`), when it runs one."""
 
     @property
     def ok(self) -> bool:
@@ -95,6 +105,7 @@ class HealthReport:
             "role": self.role,
             "reason": self.reason,
             "checks": [asdict(check) for check in self.checks],
+            "supervisor": self.supervisor,
         }
 
 
@@ -136,6 +147,34 @@ def check_heartbeat(path: Path, *, max_age_s: float, now: float | None = None) -
     return Check("heartbeat", True, f"{age_s:.1f} s old", time.monotonic() - started)
 
 
+def check_supervisor(home: Path, *, max_age_s: float) -> tuple[Check, dict[str, Any] | None] | None:
+    """What ``relayr run`` says of its worker, or None when no ``relayr run`` supervises one.
+
+    Unhealthy while the worker is down and waiting to be started again, naming how it ended. A
+    status file older than ``max_age_s`` is left to the heartbeat: its ``relayr run`` is gone
+    or hung, and the worker (if any) beats or not on its own.
+    """
+    started = time.monotonic()
+    path = status_path(home)
+    try:
+        found = read_status(path)
+    except ValueError as error:
+        return Check("supervisor", False, str(error), time.monotonic() - started), None
+    if found is None:
+        return None
+    status, age_s = found
+    data = status.to_json()
+    if age_s > max_age_s:
+        detail = (
+            f"{path} is {age_s:.1f} s old (limit {max_age_s:g} s): relayr run is gone or hung; "
+            "ignored, the heartbeat decides"
+        )
+        return Check("supervisor", True, detail, time.monotonic() - started), data
+    ok = status.state == "running"
+    detail = status.describe() if ok else f"the worker is down: {status.describe()}"
+    return Check("supervisor", ok, detail, time.monotonic() - started), data
+
+
 async def check_broker(settings: Settings, *, timeout_s: float) -> Check:
     """Whether the broker answers: Redis ``PING``; the filesystem broker's folders writable."""
     url = settings.broker_url
@@ -173,8 +212,14 @@ async def acheck_health(
     The broker and database checks run together, each bounded by ``timeout_s``.
     """
     checks: list[Check] = []
+    supervisor: dict[str, Any] | None = None
     if role is not None:
         checks.append(check_heartbeat(heartbeat_path(settings.home, role), max_age_s=max_age_s))
+    if role == "worker":
+        supervised = check_supervisor(settings.home, max_age_s=max_age_s)
+        if supervised is not None:
+            checks.append(supervised[0])
+            supervisor = supervised[1]
     if dependencies:
         checks.extend(
             await asyncio.gather(
@@ -182,7 +227,7 @@ async def acheck_health(
                 check_database(settings, timeout_s=timeout_s),
             )
         )
-    return HealthReport(role, tuple(checks))
+    return HealthReport(role, tuple(checks), supervisor)
 
 
 def check_health(
