@@ -1,0 +1,103 @@
+"""The one place the fault harness touches relayr's dispatcher and run task.
+
+The harness hands runs to the workers as relayr does (the dispatcher's passes, the run task's
+message) and reads the workers' JSON logs for figures. Both are interfaces that change with the
+execution design (what a message carries, how outcomes are worded), so everything that knows
+them is here: :func:`dispatching` (``Dispatcher.serve`` with an ``enqueue`` that sends the run
+task and counts), and the readers of a log line (:func:`outcome_of`, :func:`lost_task`,
+:func:`refused`). Faults are triggered by holds and the stores, never by these log lines, except
+the one thing only a log shows: a delivery refused because its run is held (``contended``).
+"""
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from relayr.dispatch import Dispatcher
+from relayr.runtime import Runtime
+from relayr.settings import Settings
+from tasks.app import create_celery
+from tasks.runs import OUTCOMES, RunIds, send_run
+
+
+@dataclass
+class Handed:
+    """What the dispatcher handed to the broker so far."""
+
+    messages: int = 0
+    runs: set[str] = field(default_factory=set)
+    failures: int = 0
+
+
+@asynccontextmanager
+async def dispatching(runtime: Runtime, settings: Settings) -> AsyncIterator[Handed]:
+    """The dispatcher's passes, in this process, for the block; what they handed, counted."""
+    app = create_celery(settings)
+    handed = Handed()
+
+    async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
+        ids = RunIds(tenant_id, workspace_id, run_id)
+        try:
+            await asyncio.to_thread(send_run, app, settings.queue, ids)
+        except Exception:
+            handed.failures += 1
+            raise
+        handed.messages += 1
+        handed.runs.add(run_id)
+
+    stop = asyncio.Event()
+    dispatcher = asyncio.create_task(Dispatcher(runtime).serve(enqueue, stop))
+    try:
+        yield handed
+    finally:
+        stop.set()
+        await dispatcher
+
+
+# ─── reading the workers' logs ───────────────────────────────────────────────
+
+_OUTCOME_MESSAGES: Final = {message: outcome for outcome, (_, message) in OUTCOMES.items()}
+
+_OTHER_ENDS: Final = {
+    "run interrupted by the task's soft time limit": "soft_time_limit",
+    "run's task killed its worker too often: failing the run": "worker_lost_bound",
+}
+
+_TASK_ID: Final = re.compile(r"\[([0-9a-f-]{36})\]")
+
+
+def log_lines(log_dir: Path) -> Iterator[dict[str, Any]]:
+    """The JSON lines of every worker log in ``log_dir``."""
+    for path in sorted(log_dir.glob("worker-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                with suppress(ValueError):
+                    yield json.loads(line)
+
+
+def outcome_of(line: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(task id, outcome) if ``line`` is the end of one delivery of a run task."""
+    event = str(line.get("event", ""))
+    outcome = _OUTCOME_MESSAGES.get(event) or _OTHER_ENDS.get(event)
+    if outcome is None or "task_id" not in line:
+        return None
+    return str(line["task_id"]), outcome
+
+
+def lost_task(line: Mapping[str, Any]) -> str | None:
+    """The task id (or ``""`` if unnamed) if ``line`` says a task was lost with its process."""
+    event = str(line.get("event", ""))
+    if "WorkerLostError" not in event:
+        return None
+    found = _TASK_ID.search(event)
+    return found.group(1) if found else ""
+
+
+def refused(line: Mapping[str, Any], run_ids: set[str]) -> bool:
+    """Whether ``line`` says a delivery of one of ``run_ids`` was refused: its run was held."""
+    return line.get("outcome") == "contended" and line.get("run_id") in run_ids
