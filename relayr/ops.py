@@ -214,7 +214,11 @@ async def show_run(
     """A run's attempts, its emission records, and the turns its messages started."""
     ref = WorkspaceRef(row.tenant_id, row.workspace_id)
     facts = await rules.storage.read(ref, after_seq=0, types=RUN_FACTS)
-    attempts = _attempts((envelope.event, envelope.ts) for envelope in facts)
+    attempts = _attempts(
+        (envelope.event, envelope.ts)
+        for envelope in facts
+        if getattr(envelope.event, "run_id", None) == row.id  # the workspace's other runs' too
+    )
     emissions = await ledger.emissions(row.workspace, row.id)
     turns = await _turns(artifacts, row.workspace, emissions, now=rules.clock())
     return RunReport(run=row, attempts=attempts, emissions=emissions, turns=turns)
