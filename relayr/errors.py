@@ -71,3 +71,17 @@ class InvalidTask(RelayrError):
     """Raised when a task message's arguments are malformed; it is dropped, never retried."""
 
     code = "invalid_task"
+
+
+class BrokerUnavailable(RelayrError):
+    """Raised when the broker refused a message after its bounded retries (it is down or
+    unreachable); ``broker`` names it, passwords redacted."""
+
+    code = "broker_unavailable"
+
+    def __init__(self, broker: str, cause: BaseException, *, tries: int) -> None:
+        self.broker = broker
+        self.tries = tries
+        super().__init__(
+            f"broker {broker} is unreachable after {tries} tries: {type(cause).__name__}: {cause}"
+        )

@@ -3,7 +3,10 @@
 reflexr's store is the truth about a run (DESIGN contract 7), so every command here reads and
 changes it through reflexr's own operator operations, across every workspace unless one is
 named. A retry is reflexr's operator retry (the run is due now, its attempts start again from
-zero) followed by an enqueue, so ops need not wait for the dispatcher's next pass. Retrying is
+zero) followed by an enqueue, so ops need not wait for the dispatcher's next pass. The enqueue
+is only that shortcut: when the broker is down (:class:`relayr.errors.BrokerUnavailable`, after
+its bounded retries) the run stays retried, due now, for the dispatcher to enqueue once it can
+reach the broker, and the remaining runs are retried without trying the broker again. Retrying is
 always safe, because the run's writes have derived ids: a notice an earlier attempt posted is
 not posted again, and a send whose message was committed but whose turn was never asked gets
 its turn (ADR-0026).
@@ -35,6 +38,7 @@ from reflexr.core import RunStarted as RunAttempted
 from reflexr.workspace import WorkspaceRef, Workspaces
 
 from relayr.emissions import EmissionRecord
+from relayr.errors import BrokerUnavailable
 from relayr.ledger.port import Ledger, WorkspaceKey
 
 OPERATOR: Final = UserActor(id="relayr-ops", name="relayr ops")
@@ -151,13 +155,18 @@ class RunReport:
 
 @dataclass(frozen=True)
 class Done:
-    """What an operation did to one run: changed it, or refused, and why."""
+    """What an operation did to one run: changed it, or refused, and why.
+
+    ``enqueued`` is a retry's: whether the run was handed to the broker at once (False: the
+    broker was unavailable, and the dispatcher will enqueue it); None for other operations.
+    """
 
     run_id: str
     workspace: str
     ok: bool
     detail: str
     status: str | None = None
+    enqueued: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -227,9 +236,15 @@ async def show_run(
 async def retry(
     rules: Workspaces, targets: Sequence[RunRow], enqueue: Enqueue, *, dry_run: bool = False
 ) -> list[Done]:
-    """reflexr's operator retry of each run, then an enqueue, so it runs at once."""
+    """reflexr's operator retry of each run, then an enqueue, so it runs at once.
+
+    When ``enqueue`` raises :class:`BrokerUnavailable`, that run and the rest are retried in
+    reflexr but not enqueued (``enqueued=False``): each stays due for the dispatcher.
+    """
+    unavailable: BrokerUnavailable | None = None
 
     async def retry_one(row: RunRow) -> Done:
+        nonlocal unavailable
         if dry_run:
             current = await rules.storage.run(_ref(row), row.id)
             if current is None or current.status in ("succeeded", "running"):
@@ -238,8 +253,16 @@ async def retry(
             return Done(row.id, str(row.workspace), True, "would retry", current.status)
         handle = await rules.open(row.tenant_id, row.workspace_id, actor=OPERATOR)
         retried = await handle.retry_run(row.id)
-        await enqueue(row.tenant_id, row.workspace_id, row.id)
-        return Done(row.id, str(row.workspace), True, "retried and enqueued", retried.status)
+        if unavailable is None:
+            try:
+                await enqueue(row.tenant_id, row.workspace_id, row.id)
+            except BrokerUnavailable as error:
+                unavailable = error
+            else:
+                done = "retried and enqueued"
+                return Done(row.id, str(row.workspace), True, done, retried.status, True)
+        detail = f"retried, not enqueued ({unavailable.message}); the dispatcher will enqueue it"
+        return Done(row.id, str(row.workspace), True, detail, retried.status, False)
 
     return [await _guarded(row, retry_one) for row in targets]
 

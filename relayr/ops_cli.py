@@ -6,6 +6,11 @@ finds them across every workspace, ``show`` tells one whole (attempts, emissions
 messages started), and ``retry``, ``cancel`` and ``skip`` change them through reflexr's own
 operator operations. A retry also enqueues the run, so it runs without waiting for the
 dispatcher. Every command that prints data has ``--json``.
+
+Exit codes: 0 when every run was changed (and, for a retry, enqueued); 1 when some were refused,
+or when the broker stayed unavailable through the enqueue's bounded retries (those runs are
+retried in reflexr and stay due: the dispatcher enqueues them; ADR-0034); 2 for bad input
+(arguments, settings, application).
 """
 
 import asyncio
@@ -18,10 +23,13 @@ from pathlib import Path
 from typing import Any, Final
 
 import click
+from kombu.exceptions import OperationalError as KombuOperationalError
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from relayr.allowlist import load_allowlist, warnings
 from relayr.application import load_application
-from relayr.errors import InvalidAllowlist, RelayrError
+from relayr.errors import BrokerUnavailable, InvalidAllowlist, RelayrError
+from relayr.health import redact
 from relayr.ledger.port import WorkspaceKey
 from relayr.logging import configure_logging
 from relayr.ops import (
@@ -42,7 +50,34 @@ STATUSES: Final = ("pending", "running", "retrying", "succeeded", "dead", "cance
 _DURATION = re.compile(r"(\d+)([smhd])")
 _UNITS: Final = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
+BROKER_TRIES: Final = 3
+"""How often ``runs retry`` hands a run to the broker before it says the broker is unavailable.
+Each try is Celery's publish with its own quick retries (about 0.6 s against a refused
+connection); three tries and the waits between them end within about 4 s, so ops wait seconds,
+not minutes, and a broker that restarts meanwhile is ridden out."""
+
+BROKER_BACKOFF_S: Final = (0.5, 2.0)
+"""The first and the longest wait between tries of the broker (tenacity's exponential wait)."""
+
+EXIT_NOT_ALL_DONE: Final = 1
+"""Some runs were refused, or retried but not enqueued: done, but not fully."""
+
+EXIT_BAD_INPUT: Final = 2
+"""As every ``relayr`` command: arguments, settings or application that cannot be used."""
+
 type Enqueue = Callable[[str, str, str], Awaitable[None]]
+
+
+class BadInput(click.ClickException):
+    """Raised when the settings or the application cannot be used: one line, exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+def is_transient_broker_fault(error: BaseException) -> bool:
+    """Whether a failed publish may pass if tried again: the broker's connection was refused,
+    dropped or timed out (kombu reports those as its ``OperationalError``), nothing else."""
+    return isinstance(error, KombuOperationalError | ConnectionError | TimeoutError)
 
 
 def parse_duration(text: str) -> timedelta:
@@ -81,7 +116,7 @@ def _settings() -> Settings:
     try:
         settings = Settings.from_env()
     except RelayrError as error:
-        raise click.ClickException(error.message) from None
+        raise BadInput(error.message) from None
     configure_logging(settings.log_format, level="WARNING")
     return settings
 
@@ -104,19 +139,37 @@ def _run[T](work: Callable[[Runtime], Awaitable[T]]) -> T:
     try:
         return asyncio.run(main())
     except RelayrError as error:
-        raise click.ClickException(error.message) from None
+        raise BadInput(error.message) from None
 
 
 def _enqueuer(settings: Settings) -> Enqueue:
-    """Hands a run to the workers, as the dispatcher does."""
+    """Hands a run to the workers, as the dispatcher does, trying a broker that is down again.
+
+    A transient fault (:func:`is_transient_broker_fault`) is tried again, at most
+    :data:`BROKER_TRIES` times; the last one raises :class:`BrokerUnavailable`. Anything else
+    is raised as it is.
+    """
     from tasks.app import create_celery
     from tasks.runs import RunIds, send_run
 
     app = create_celery(settings)
+    broker = redact(settings.broker_url)
 
     async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
         ids = RunIds(tenant_id, workspace_id, run_id)
-        await asyncio.to_thread(send_run, app, settings.queue, ids)
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(BROKER_TRIES),
+                wait=wait_exponential(multiplier=BROKER_BACKOFF_S[0], max=BROKER_BACKOFF_S[1]),
+                retry=retry_if_exception(is_transient_broker_fault),
+                reraise=True,
+            ):
+                with attempt:
+                    await asyncio.to_thread(send_run, app, settings.queue, ids)
+        except Exception as error:
+            if not is_transient_broker_fault(error):
+                raise
+            raise BrokerUnavailable(broker, error, tries=BROKER_TRIES) from error
 
     return enqueue
 
@@ -292,6 +345,13 @@ def runs_retry(
 
     A succeeded run cannot be retried. Retrying is safe: what an earlier attempt posted is not
     posted again, and a message whose turn was never asked gets its turn.
+
+    The broker is tried a few times within a few seconds. If it stays unavailable, the runs are
+    still retried in reflexr (pending, due now) and the dispatcher enqueues them once it
+    reaches the broker; one line on stderr names the broker and the runs.
+
+    Exit codes: 0 all retried and enqueued; 1 some refused, or not enqueued (broker
+    unavailable); 2 bad input.
     """
     if bool(run_ids) == dead:
         raise click.UsageError("name RUN ids or --dead, not both and not neither")
@@ -309,7 +369,18 @@ def runs_retry(
             *await retry(runtime.application.rules, targets[0], enqueue, dry_run=dry_run),
         ]
 
-    _report(_run(work), as_json)
+    results = _run(work)
+    left = [result for result in results if result.enqueued is False]
+    problem = None
+    if left:
+        runs = ", ".join(f"{result.run_id} ({result.workspace})" for result in left)
+        them = "it" if len(left) == 1 else "them"
+        problem = (
+            f"Error: broker {redact(settings.broker_url)} is unavailable: retried in reflexr "
+            f"but not enqueued: {runs}; the dispatcher will enqueue {them} once it reaches the "
+            "broker"
+        )
+    _report(results, as_json, problem=problem)
 
 
 @runs_group.command("cancel")
@@ -381,7 +452,9 @@ async def _targets(
     return found, missing
 
 
-def _report(results: list[Done], as_json: bool) -> None:
+def _report(results: list[Done], as_json: bool, *, problem: str | None = None) -> None:
+    """Print what was done to each run, then ``problem`` on stderr; exit 1 if any was refused
+    or there is a problem."""
     if as_json:
         _echo_json([result.to_json() for result in results])
     else:
@@ -390,8 +463,10 @@ def _report(results: list[Done], as_json: bool) -> None:
             click.echo(f"{mark} {result.run_id} ({result.workspace}): {result.detail}")
         done = sum(result.ok for result in results)
         click.echo(f"{done} done, {len(results) - done} refused")
-    if any(not result.ok for result in results):
-        sys.exit(1)
+    if problem is not None:
+        click.echo(problem, err=True)
+    if problem is not None or any(not result.ok for result in results):
+        sys.exit(EXIT_NOT_ALL_DONE)
 
 
 def _rule_names(settings: Settings) -> list[str]:
