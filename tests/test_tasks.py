@@ -208,17 +208,18 @@ def test_a_loop_bound_object_survives_from_one_call_to_the_next(
 def test_work_started_by_a_call_keeps_running_after_it_returns(
     loop_thread: EventLoopThread,
 ) -> None:
-    finished = threading.Event()
+    release, finished = threading.Event(), threading.Event()
 
     async def turn() -> None:
-        await asyncio.sleep(0.2)
+        await asyncio.to_thread(release.wait, 5)
         finished.set()
 
     async def send() -> asyncio.Task[None]:
         return asyncio.create_task(turn())
 
     loop_thread.call(send())
-    assert not finished.is_set()
+    assert not finished.is_set()  # the turn waits for the release, however fast the machine
+    release.set()
     assert finished.wait(5)
 
 
@@ -228,6 +229,8 @@ def test_a_soft_time_limit_in_the_main_thread_cancels_the_coroutine(
     cancelled = threading.Event()
 
     async def long_run() -> None:
+        # the limit's signal is armed once the run runs: the main thread then waits in call()
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
@@ -238,7 +241,6 @@ def test_a_soft_time_limit_in_the_main_thread_cancels_the_coroutine(
         raise SoftTimeLimitExceeded()
 
     previous = signal.signal(signal.SIGALRM, soft_limit)
-    signal.setitimer(signal.ITIMER_REAL, 0.2)
     started = time.monotonic()
     try:
         with pytest.raises(SoftTimeLimitExceeded):
@@ -253,9 +255,10 @@ def test_a_soft_time_limit_in_the_main_thread_cancels_the_coroutine(
 def test_stopping_cancels_what_still_runs_and_closes_the_loop() -> None:
     thread = EventLoopThread()
     thread.start()
-    cancelled = threading.Event()
+    running, cancelled = threading.Event(), threading.Event()
 
     async def forever() -> None:
+        running.set()
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
@@ -263,7 +266,7 @@ def test_stopping_cancels_what_still_runs_and_closes_the_loop() -> None:
             raise
 
     thread.submit(forever())
-    time.sleep(0.05)
+    assert running.wait(5)
     thread.stop()
     assert cancelled.is_set()
     assert not thread.running
