@@ -1,7 +1,8 @@
 """Applications of the tests' own, named by ``RELAYR_APP`` in worker subprocesses.
 
-- :func:`create_slow_app`: the example application, with an offline agent that takes
-  :data:`SLOW_TURN_S` to answer, so a test can stop a worker while turns run.
+- :func:`create_slow_app`: the example application, with an offline agent that answers only
+  once the test created :data:`TURN_RELEASE_FILE` in the home, so a test can stop a worker
+  while turns are known to run.
 - :func:`create_crashing_app`: one rule whose action kills the pool process running it, as an
   out-of-memory kill would, to drive the bounded redelivery (ADR-0011); and one whose action
   sleeps as long as its event says, to meet the task's soft time limit.
@@ -11,6 +12,8 @@ import asyncio
 import dataclasses
 import os
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 from artifactr import MarkdownArtifact
@@ -24,27 +27,38 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 from relayr.application import Application, open_storage
 from relayr.settings import Settings
 
-SLOW_TURN_S = 4.0
-"""How long the slow agent thinks before it answers: long enough to SIGTERM its worker while
-the turn runs, well within the grace the test gives."""
+TURN_RELEASE_FILE = "release-turns"
+"""Created in ``RELAYR_HOME`` by the test when the slow agent's turns may answer."""
+
+SLOW_TURN_MAX_S = 60.0
+"""The longest a slow turn waits for its release before it answers anyway."""
+
+RELEASE_POLL_S = 0.1
 
 
 class SlowNote(MarkdownArtifact):
     """The artifact kind the slow agent's workspace capability knows (it writes none)."""
 
 
-async def _slow_answer(messages: Any, info: Any) -> ModelResponse:
-    await asyncio.sleep(SLOW_TURN_S)
-    return ModelResponse(parts=[TextPart("triaged, slowly")])
+def _answer_when_released(release: Path) -> Any:
+    async def answer(messages: Any, info: Any) -> ModelResponse:
+        deadline = time.monotonic() + SLOW_TURN_MAX_S
+        while time.monotonic() < deadline:
+            if await asyncio.to_thread(release.exists):
+                break
+            await asyncio.sleep(RELEASE_POLL_S)
+        return ModelResponse(parts=[TextPart("triaged, slowly")])
+
+    return answer
 
 
 async def create_slow_app(settings: Settings) -> Application:
-    """The example application with a slow offline agent."""
+    """The example application with an agent that answers once the test released it."""
     from rules.example import create_app
 
     application = await create_app(settings)
     agent = Agent(
-        function_model(_slow_answer),
+        function_model(_answer_when_released(settings.home.absolute() / TURN_RELEASE_FILE)),
         deps_type=Session[Any],
         capabilities=[ArtifactWorkspace(types=[SlowNote])],
     )
