@@ -34,7 +34,7 @@ from celery import Celery, Task
 
 from relayr.health import heartbeat_path, heartbeat_step
 from relayr.settings import Settings
-from tasks.runs import TASK_NAME
+from tasks.runs import task_names
 from tasks.worker import process
 
 FILESYSTEM_POLLING_INTERVAL_S: Final = 0.05
@@ -45,6 +45,17 @@ its next message only after it acknowledged the last one."""
 PROC_ALIVE_TIMEOUT_S: Final = 30.0
 """How long a new pool process may take to report ready. Its runtime starts in the background,
 so this only covers imports and the fork itself; Celery's default (4 s) is tight on a busy host."""
+
+PUBLISH_RETRY_POLICY: Final = {
+    "max_retries": 3,
+    "interval_start": 0.05,
+    "interval_step": 0.25,
+    "interval_max": 0.5,
+}
+"""How a publish that meets a broker connection error is retried (Celery's own mechanism): three
+times within about a second, as storage steps are (relayr.transient), so a broker that blinks
+costs nothing and one that is down fails the publish fast; the dispatcher's next pass, or the
+operator, tries again."""
 
 _current: Celery | None = None
 
@@ -84,16 +95,19 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_soft_time_limit": settings.soft_time_limit_s,
         "task_time_limit": settings.time_limit_s,
         "task_default_queue": settings.queue,
-        "task_routes": {TASK_NAME: {"queue": settings.queue}},
+        "task_routes": {name: {"queue": settings.queue} for name in task_names()},
         "task_annotations": {
-            TASK_NAME: {
+            name: {
                 # one more than allowed, so the task body sees the delivery past the bound
-                # and fails the run itself (tasks.runs.execute_run)
+                # and fails the run itself (tasks.runs)
                 "max_retries": settings.max_redeliveries + 1,
                 # after the lost attempt's lease lapsed, so the redelivery can claim the run
                 "default_retry_delay": int(settings.lease_ttl_s) + 1,
             }
+            for name in task_names()
         },
+        "task_publish_retry": True,
+        "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
         "worker_prefetch_multiplier": 1,
         "worker_send_task_events": True,
         "task_send_sent_event": True,

@@ -5,7 +5,16 @@ suite: :class:`InMemoryLedger` for tests and :class:`SqlLedger` for SQLite and P
 """
 
 from relayr.ledger.memory import InMemoryLedger
-from relayr.ledger.port import Cause, Ledger, WorkspaceKey, WriteKind
+from relayr.ledger.port import Cause, CauseRecord, Ledger, LedgerWrites, WorkspaceKey, WriteKind
 from relayr.ledger.sql import SqlLedger
 
-__all__ = ["Cause", "InMemoryLedger", "Ledger", "SqlLedger", "WorkspaceKey", "WriteKind"]
+__all__ = [
+    "Cause",
+    "CauseRecord",
+    "InMemoryLedger",
+    "Ledger",
+    "LedgerWrites",
+    "SqlLedger",
+    "WorkspaceKey",
+    "WriteKind",
+]

@@ -7,9 +7,11 @@ emission record is stored as the JSON it was validated into and validated again 
 """
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from relayr.emissions import EmissionRecord, validate_emission
-from relayr.ledger.port import Cause, WorkspaceKey, WriteKind
+from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind
 
 type _CauseKey = tuple[WorkspaceKey, WriteKind, str]
 type _EmissionKey = tuple[int, str]
@@ -39,6 +41,28 @@ class InMemoryLedger:
     async def emissions(self, workspace: WorkspaceKey, run_id: str) -> list[EmissionRecord]:
         stored = self._emissions.get((workspace, run_id), {})
         return [validate_emission(json.loads(text)) for text in stored.values()]
+
+    async def write(self, writes: LedgerWrites) -> None:
+        for record in writes.emissions:
+            validate_emission(record.to_json())
+        for cause in writes.causes:
+            await self.record_cause(cause.workspace, cause.kind, cause.key, cause.cause)
+        for record in writes.emissions:
+            await self.record_emission(record)
+        writes.committed = True
+
+    @asynccontextmanager
+    async def alongside(self, writes: LedgerWrites) -> AsyncIterator[None]:
+        """Memory has no transaction to ride: the causes are kept before the block, the
+        emission records after it, if it raised nothing."""
+        for record in writes.emissions:
+            validate_emission(record.to_json())
+        for cause in writes.causes:
+            await self.record_cause(cause.workspace, cause.kind, cause.key, cause.cause)
+        yield
+        for record in writes.emissions:
+            await self.record_emission(record)
+        writes.committed = True
 
     async def aclose(self) -> None:
         """Nothing to release: the records live as long as this object."""

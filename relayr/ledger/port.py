@@ -6,7 +6,9 @@ retried attempt records the same cause again and changes nothing, so the ledger 
 run made this?" for every write, even one whose attempt died right after it (ADR-0026).
 """
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from relayr.emissions import EmissionRecord
@@ -35,6 +37,47 @@ class Cause:
     depth: int
 
 
+@dataclass(frozen=True)
+class CauseRecord:
+    """A cause to record under the key its write is found by."""
+
+    workspace: WorkspaceKey
+    kind: WriteKind
+    key: str
+    cause: Cause
+
+
+@dataclass
+class LedgerWrites:
+    """Causes and emission records to commit together, in one transaction.
+
+    ``committed`` says whether they were: a writer that makes them ride another transaction
+    (:meth:`Ledger.alongside`) sets it once that transaction committed.
+    """
+
+    causes: list[CauseRecord] = field(default_factory=list)
+    emissions: list[EmissionRecord] = field(default_factory=list)
+    committed: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.causes or self.emissions)
+
+    def cause(self, workspace: WorkspaceKey, kind: WriteKind, key: str, cause: Cause) -> None:
+        self.causes.append(CauseRecord(workspace, kind, key, cause))
+
+    def emission(self, record: EmissionRecord) -> None:
+        self.emissions.append(record)
+
+    @classmethod
+    def merged(cls, many: Sequence["LedgerWrites"]) -> "LedgerWrites":
+        """One set of writes holding what ``many`` hold and have not committed."""
+        pending = [writes for writes in many if not writes.committed]
+        return cls(
+            causes=[cause for writes in pending for cause in writes.causes],
+            emissions=[record for writes in pending for record in writes.emissions],
+        )
+
+
 class Ledger(Protocol):
     """Where causes and emission records are kept. Adapters: in-memory and SQL."""
 
@@ -61,6 +104,29 @@ class Ledger(Protocol):
 
         Raises:
             InvalidEmission: If a stored record does not validate.
+        """
+        ...
+
+    async def write(self, writes: LedgerWrites) -> None:
+        """Commit ``writes`` in one transaction of the ledger's own (first cause kept, an
+        emission already there left as it is), and mark them committed.
+
+        Raises:
+            InvalidEmission: If a record does not validate; nothing is stored.
+        """
+        ...
+
+    def alongside(self, writes: LedgerWrites) -> AbstractAsyncContextManager[None]:
+        """Commit ``writes`` with the storage write the block makes, in the same transaction.
+
+        The causes are committed no later than the block's first commit: in that very
+        transaction when the ledger shares the storage's database, else before the block runs.
+        The emission records are committed with that transaction, or after a block that raised
+        nothing. After a block that raised, what did not commit is left for the caller
+        (``writes.committed`` says which).
+
+        Raises:
+            InvalidEmission: If a record does not validate, before the block runs.
         """
         ...
 

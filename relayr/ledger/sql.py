@@ -17,7 +17,7 @@ while holding a connection of the same engine.
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Self
 
@@ -43,7 +43,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from relayr.emissions import EmissionRecord, validate_emission
 from relayr.errors import InvalidEmission
-from relayr.ledger.port import Cause, WorkspaceKey, WriteKind
+from relayr.ledger.port import Cause, CauseRecord, LedgerWrites, WorkspaceKey, WriteKind
+from relayr.ledger.riding import Statements, riding
 
 SUPPORTED_DIALECTS = frozenset({"postgresql", "sqlite"})
 
@@ -165,14 +166,7 @@ class SqlLedger:
         self, workspace: WorkspaceKey, kind: WriteKind, key: str, cause: Cause
     ) -> Cause:
         insert = self._insert_unless_present(causes_table, _CAUSE_KEY).values(
-            tenant_id=workspace.tenant_id,
-            workspace_id=workspace.workspace_id,
-            kind=kind,
-            key=key,
-            correlation_id=cause.correlation_id,
-            firing_id=cause.firing_id,
-            run_id=cause.run_id,
-            depth=cause.depth,
+            **_cause_row(CauseRecord(workspace, kind, key, cause))
         )
         async with self._transaction() as connection:
             kept = (await connection.execute(insert.returning(*_CAUSE_COLUMNS))).first()
@@ -186,15 +180,8 @@ class SqlLedger:
         return None if found is None else Cause(*found)
 
     async def record_emission(self, record: EmissionRecord) -> None:
-        valid = validate_emission(record.to_json())
         insert = self._insert_unless_present(emissions_table, _EMISSION_KEY).values(
-            tenant_id=valid.tenant_id,
-            workspace_id=valid.workspace_id,
-            run_id=valid.run_id,
-            epoch=valid.epoch,
-            message_id=valid.message_id,
-            record=json.dumps(valid.to_json()),
-            emitted_at=valid.emitted_at,
+            **_emission_row(record)
         )
         async with self._transaction() as connection:
             await connection.execute(insert)
@@ -216,9 +203,35 @@ class SqlLedger:
             for row in stored
         ]
 
+    async def write(self, writes: LedgerWrites) -> None:
+        statements = self._statements(writes)
+        async with self._transaction() as connection:
+            for statement, rows in statements:
+                if rows:
+                    await connection.execute(statement, list(rows))
+        writes.committed = True
+
+    @asynccontextmanager
+    async def alongside(self, writes: LedgerWrites) -> AsyncIterator[None]:
+        statements = self._statements(writes)  # validates every record before the block runs
+        await self._ensure_tables()
+        with riding(self._engine.sync_engine, statements, writes):
+            yield
+        if writes and not writes.committed:
+            await self.write(writes)
+
     async def aclose(self) -> None:
         if self._owns_engine:
             await self._engine.dispose()
+
+    def _statements(self, writes: LedgerWrites) -> Statements:
+        """The inserts that store ``writes``, each with its rows; records validated here."""
+        causes = [_cause_row(record) for record in writes.causes]
+        emissions = [_emission_row(record) for record in writes.emissions]
+        return (
+            (self._insert_unless_present(causes_table, _CAUSE_KEY), causes),
+            (self._insert_unless_present(emissions_table, _EMISSION_KEY), emissions),
+        )
 
     @asynccontextmanager
     async def _transaction(self) -> AsyncIterator[AsyncConnection]:
@@ -240,6 +253,33 @@ class SqlLedger:
         if self._dialect == "postgresql":
             return postgresql.insert(table).on_conflict_do_nothing(index_elements=key)
         return sqlite.insert(table).on_conflict_do_nothing(index_elements=key)
+
+
+def _cause_row(record: CauseRecord) -> Mapping[str, Any]:
+    cause = record.cause
+    return {
+        "tenant_id": record.workspace.tenant_id,
+        "workspace_id": record.workspace.workspace_id,
+        "kind": record.kind,
+        "key": record.key,
+        "correlation_id": cause.correlation_id,
+        "firing_id": cause.firing_id,
+        "run_id": cause.run_id,
+        "depth": cause.depth,
+    }
+
+
+def _emission_row(record: EmissionRecord) -> Mapping[str, Any]:
+    valid = validate_emission(record.to_json())
+    return {
+        "tenant_id": valid.tenant_id,
+        "workspace_id": valid.workspace_id,
+        "run_id": valid.run_id,
+        "epoch": valid.epoch,
+        "message_id": valid.message_id,
+        "record": json.dumps(valid.to_json()),
+        "emitted_at": valid.emitted_at,
+    }
 
 
 def _select_cause(workspace: WorkspaceKey, kind: WriteKind, key: str) -> Select[str, str, str, int]:
