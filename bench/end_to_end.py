@@ -79,11 +79,12 @@ from bench.common import (
     storage_available,
     total,
 )
+from relayr.batch import RunBatch
 from relayr.demo import CLI_USER, DEPLOYS_PER_THREAD, RULE_AUTHOR_PREFIX
 from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
 from relayr.runtime import Runtime
 from relayr.settings import Settings
-from tasks.runs import OUTCOMES, RunIds, send_run
+from tasks.runs import OUTCOMES, send_runs
 from tests.workers import WorkerProcess, relayr_environment, start_worker
 
 type WorkerMode = Literal["prefork", "separate"]
@@ -264,8 +265,8 @@ async def _serve(runtime: Runtime, dispatcher: CountingDispatcher, stop: asyncio
     app = create_celery(runtime.settings)
     queue = runtime.settings.queue
 
-    async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
-        send_run(app, queue, RunIds(tenant_id, workspace_id, run_id))
+    async def enqueue(batch: RunBatch) -> None:
+        send_runs(app, queue, batch)
 
     try:
         await dispatcher.serve(enqueue, stop)

@@ -12,8 +12,15 @@ operator's retry) makes each effect once:
 Rules post notices by default. A message that starts an agent turn needs the operators'
 allowlist to grant ``turns``, checked when the run acts, not when it was queued, so a revoked
 grant stops the next send of a run already queued. ``post`` lets the allowlist pick the route.
-Before each write, the run behind it is recorded in the ledger under the write's id; after each
-notice or send, one emission record says what happened.
+
+The run behind each write is recorded in the ledger under the write's id, and each notice or
+send leaves one emission record (ADR-0023). Before a send, which starts a turn, the cause is
+committed first, on its own. Any other write's cause, and a notice's record, ride in the
+write's own transaction (:meth:`relayr.ledger.Ledger.alongside`), so a write that exists always
+has them. What an action learns only after its write (a send's outcome, a notice an earlier
+attempt posted) waits in :func:`pending_writes` for the run's completion, whose transaction
+carries it. Transient storage faults are retried inside each write (:mod:`relayr.transient`):
+the ids are derived, so a repeat is made once.
 
 Refusals are reflexr ``RunFailure``s, so the rule's retry policy decides what follows: a
 permission refused is permanent (``not_allowed``); artifactr's ``validation_failed``,
@@ -22,6 +29,7 @@ permission refused is permanent (``not_allowed``); artifactr's ``validation_fail
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Final
 from weakref import WeakKeyDictionary
 
@@ -29,6 +37,7 @@ import structlog
 from artifactr import Artifact, ExternalAgentActor, JsonPatch, VersionConflict, Workspace
 from artifactr.core import (
     ArchiveArtifact,
+    Command,
     CreateArtifact,
     CreateThread,
     EditArtifact,
@@ -46,7 +55,8 @@ from relayr.allowlist import Allowlist
 from relayr.bridge import Bridge
 from relayr.emissions import EmissionKind, EmissionRecord, Outcome, Policy
 from relayr.ids import IdDeriver, digest
-from relayr.ledger.port import Cause, WorkspaceKey, WriteKind
+from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind
+from relayr.transient import retried
 
 logger = structlog.get_logger("relayr.actions")
 
@@ -95,6 +105,14 @@ def acting(reaction: Reaction[Any]) -> "RunActions":
     return actions
 
 
+def pending_writes(reaction: Reaction[Any]) -> LedgerWrites | None:
+    """The ledger rows this attempt's actions left for the run's completion to commit, if any."""
+    actions = _acting.get(reaction)
+    if actions is None or not actions.pending:
+        return None
+    return actions.pending
+
+
 def chain_threads(reaction: Reaction[Any]) -> tuple[str, ...]:
     """The threads of the events that made the rule fire, in order, without repeats."""
     threads: dict[str, None] = {}
@@ -126,6 +144,8 @@ class RunActions:
         self._ids = IdDeriver(run.id)
         self._chain: list[str] = list(chain_threads(reaction))
         self._handle: Workspace | None = None
+        self.pending = LedgerWrites()
+        """What the run's completion commits: rows known only after their write."""
         self._log = logger.bind(
             run_id=run.id,
             rule=rule.name,
@@ -193,10 +213,11 @@ class RunActions:
         thread_id = self._ids.next(
             "thr", segment=self._segment, operation="create_thread", subject=(title,)
         )
-        await self._record_cause("thread", thread_id)
         handle = await self._workspace()
         try:
-            await handle.commit(CreateThread(thread_id=thread_id, title=title))
+            await self._commit(
+                handle, CreateThread(thread_id=thread_id, title=title), "thread", thread_id
+            )
         except InvalidState:
             pass
         except Rejection as refused:
@@ -353,20 +374,21 @@ class RunActions:
 
     async def _notice(self, content: str, thread: str) -> str:
         message_id = self._message_id(thread, content)
-        await self._record_cause("message", message_id)
         handle = await self._workspace()
-        outcome: Outcome = "posted"
+        command = PostMessage(
+            thread_id=thread, content=content, message_id=message_id, kind="notice"
+        )
+        record = self._record("notice", "notice", "posted", thread, message_id, content)
         try:
-            await handle.commit(
-                PostMessage(thread_id=thread, content=content, message_id=message_id, kind="notice")
-            )
+            await self._commit(handle, command, "message", message_id, record)
         except ThreadBusy as busy:
             raise _failure(busy, f"posting notice {message_id}") from None
         except InvalidState:
-            outcome = "already_posted"
+            record = replace(record, outcome="already_posted")
+            self.pending.emission(record)
         except Rejection as refused:
             raise _failure(refused, f"posting notice {message_id}") from None
-        await self._emitted("notice", "notice", outcome, thread, message_id, content)
+        self._emitted(record)
         return message_id
 
     async def _send(self, content: str, thread: str) -> str:
@@ -378,32 +400,33 @@ class RunActions:
                 thread_id=thread,
             )
         message_id = self._message_id(thread, content)
-        await self._record_cause("message", message_id)
+        # a send may start a turn: its cause is committed before anything else (ADR-0023)
+        await retried(
+            lambda: self._bridge.ledger.record_cause(
+                self.workspace, "message", message_id, self._cause
+            )
+        )
         handle = await self._workspace()
         outcome: Outcome = "posted"
         try:
-            sent = await runner.send(handle, thread, content, message_id=message_id)
+            sent = await retried(
+                lambda: runner.send(handle, thread, content, message_id=message_id)
+            )
             started = sent.run
         except ThreadBusy as busy:
             raise _failure(busy, f"sending message {message_id}") from None
         except InvalidState:
             outcome = "asked"
             try:
-                started = await runner.ask(handle, thread)
+                started = await retried(lambda: runner.ask(handle, thread))
             except Rejection as refused:
                 raise _failure(refused, f"asking for the turn of message {message_id}") from None
         except Rejection as refused:
             raise _failure(refused, f"sending message {message_id}") from None
         self._bridge.turns.started(started)
-        await self._emitted(
-            "message",
-            "turn",
-            outcome,
-            thread,
-            message_id,
-            content,
-            turn=None if started is None else started.run_id,
-        )
+        record = self._record("message", "turn", outcome, thread, message_id, content)
+        self.pending.emission(record)
+        self._emitted(record, turn=None if started is None else started.run_id)
         return message_id
 
     async def _change(
@@ -416,13 +439,10 @@ class RunActions:
         direct = kind in self.allowlist.direct
         write: WriteKind = "artifact" if direct else "proposal"
         key = artifact_id if direct else proposal_id
-        await self._record_cause(write, key)
         handle = await self._workspace()
+        made = command if direct else ProposeChange(proposal_id=proposal_id, change=command)
         try:
-            if direct:
-                await handle.commit(command)
-            else:
-                await handle.commit(ProposeChange(proposal_id=proposal_id, change=command))
+            await self._commit(handle, made, write, key)
         except VersionConflict:
             raise _Conflict() from None
         except InvalidState:
@@ -457,10 +477,34 @@ class RunActions:
                 raise _failure(refused, f"opening workspace {self.workspace}") from None
         return self._handle
 
-    async def _record_cause(self, kind: WriteKind, key: str) -> None:
-        await self._bridge.ledger.record_cause(self.workspace, kind, key, self._cause)
+    async def _commit(
+        self,
+        handle: Workspace,
+        command: Command,
+        kind: WriteKind,
+        key: str,
+        record: EmissionRecord | None = None,
+    ) -> None:
+        """Commit ``command``; the write's cause (and ``record``) ride in its transaction.
 
-    async def _emitted(
+        A transient storage fault is retried: the command's id is derived, so a commit that
+        did land is refused as used (``InvalidState``) the second time. When the commit is
+        refused, the cause waits for the run's completion (an earlier attempt made the write,
+        or none will, and a cause without its write is harmless).
+        """
+        writes = LedgerWrites()
+        writes.cause(self.workspace, kind, key, self._cause)
+        if record is not None:
+            writes.emission(record)
+        try:
+            async with self._bridge.ledger.alongside(writes):
+                await retried(lambda: handle.commit(command))
+        except Rejection:
+            if not writes.committed:
+                self.pending.cause(self.workspace, kind, key, self._cause)
+            raise
+
+    def _record(
         self,
         kind: EmissionKind,
         policy: Policy,
@@ -468,10 +512,8 @@ class RunActions:
         thread: str,
         message_id: str,
         content: str,
-        *,
-        turn: str | None = None,
-    ) -> None:
-        record = EmissionRecord(
+    ) -> EmissionRecord:
+        return EmissionRecord(
             kind=kind,
             rule=self.rule,
             run_id=self._run.id,
@@ -486,15 +528,16 @@ class RunActions:
             content=content,
             emitted_at=self._bridge.clock(),
         )
-        await self._bridge.ledger.record_emission(record)
-        metrics.record_emission(kind, outcome)
+
+    def _emitted(self, record: EmissionRecord, *, turn: str | None = None) -> None:
+        metrics.record_emission(record.kind, record.outcome)
         self._log.info(
             "emission",
-            kind=kind,
-            policy=policy,
-            outcome=outcome,
-            thread_id=thread,
-            message_id=message_id,
+            kind=record.kind,
+            policy=record.policy,
+            outcome=record.outcome,
+            thread_id=record.thread_id,
+            message_id=record.message_id,
             turn_id=turn,
         )
 

@@ -389,10 +389,11 @@ async def serve_dispatcher(runtime: "Runtime", stop: asyncio.Event) -> None:
     The dispatcher refreshes its heartbeat after each pass that ended, for
     ``relayr health --dispatcher``: a pass stuck on storage stops the beat (ADR-0031).
     """
+    from relayr.batch import RunBatch
     from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
     from relayr.health import heartbeat_path, touch_heartbeat
     from tasks.app import create_celery
-    from tasks.runs import RunIds, send_run
+    from tasks.runs import send_runs
 
     heartbeat = heartbeat_path(runtime.settings.home, "dispatcher")
 
@@ -405,8 +406,8 @@ async def serve_dispatcher(runtime: "Runtime", stop: asyncio.Event) -> None:
     app = create_celery(runtime.settings)
     queue = runtime.settings.queue
 
-    async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
-        send_run(app, queue, RunIds(tenant_id, workspace_id, run_id))
+    async def enqueue(batch: RunBatch) -> None:
+        send_runs(app, queue, batch)
 
     try:
         await BeatingDispatcher(runtime).serve(enqueue, stop)

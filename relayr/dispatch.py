@@ -1,51 +1,66 @@
 """The dispatcher: decide which runs exist, and hand each due run to a queue, once per attempt.
 
-Each pass ticks reflexr's schedules and evaluates the rules of every workspace (reflexr's
-``Reactor`` does both, under its per-workspace evaluation lease, so any number of dispatchers
-can run), then reads the runs that are due from the store: pending and retrying runs whose time
-has come and that are first in their scope, and ``running`` runs whose lease lapsed because
-their worker died. Each is handed to ``enqueue`` with its ids only.
+Each pass ticks reflexr's schedules (when the application has any) and evaluates the rules of
+every workspace (reflexr's ``Reactor`` does both, under its per-workspace evaluation lease, so
+any number of dispatchers can run), then reads the runs that are due from the store: pending
+and retrying runs whose time has come and that are first in their scope, and ``running`` runs
+whose lease lapsed because their worker died. Due runs of one workspace go to the queue
+together, up to :data:`relayr.batch.MAX_BATCH_RUNS` per message (:class:`RunBatch`); a run
+whose last attempt was abandoned, so may be what killed its worker, goes alone.
 
-The store, not the queue, is the truth about a run (DESIGN contract 7), so the dispatcher keeps
-only a hint in memory: which attempt of each run it enqueued, and when. A run still due at the
-same attempt (status, attempts, epoch) is not enqueued again until ``requeue_after_s`` has
-passed: by then its message is presumed lost (a broker that lost it, a worker killed before it
-claimed the run) and it is enqueued again. A run whose attempt changed is enqueued at once. A
-duplicate costs one claim that is declined (``contended`` or ``not_due``), never a second
-attempt; a lost message costs ``requeue_after_s``. Each further re-enqueue of the same attempt
-waits twice as long as the one before (up to :data:`MAX_REQUEUE_FACTOR` times), because a run
-still due after a re-enqueue most likely waits behind a backlog rather than being lost: without
-the doubling a queue that is minutes behind would fill with copies of its own runs. A restarted
-dispatcher knows nothing and enqueues every due run once more, the same harmless duplicate.
+The store, not the queue, is the truth about a run (ADR-0001), so the dispatcher keeps only a
+hint in memory: which attempt of each run it enqueued, in which message. A run whose attempt
+changed is enqueued at once. A run still due at the attempt it was enqueued for is enqueued
+again only once its message is presumed lost, which the queue itself shows, since it hands out
+messages in the order they were sent (ADR-0003):
+
+- a message sent after it was taken by a worker (one of its runs left the due list), yet this
+  one's runs are still due: the queue went past it;
+- it is the oldest message still waiting, and the broker's queue is empty (when the broker can
+  say how many messages wait; else, being the oldest is enough);
+- it was taken (one of its runs started) and a run of it is still due: the claim failed.
+
+In each case the run is enqueued again :attr:`~relayr.settings.Settings.requeue_after_s`
+after the dispatcher first saw that, so a lost message costs that much time, however long the
+queue is and however long the run waited, and a message that merely waits behind others is
+never copied. A duplicate costs one claim that is declined (``contended`` or ``not_due``),
+never a second attempt. A restarted dispatcher knows nothing and enqueues every due run once
+more, the same harmless duplicate.
 """
 
 import asyncio
 import contextlib
+import math
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from datetime import timedelta
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Final
 
 import structlog
-from reflexr.core import RunStatus
-from reflexr.workspace import Reactor, RunPolicy
+from reflexr.core import Run, RunStatus
+from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
+from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.runtime import Runtime
 
-type Enqueue = Callable[[str, str, str], Awaitable[None]]
-"""Hands one run to the queue: ``await enqueue(tenant_id, workspace_id, run_id)``."""
+type Enqueue = Callable[[RunBatch], Awaitable[None]]
+"""Hands one message to the queue: ``await enqueue(batch)``."""
+
+type QueueDepth = Callable[[], Awaitable[int | None]]
+"""How many messages wait in the queue now, or None if the broker cannot say."""
 
 type _RunKey = tuple[str, str, str]
 type _Attempt = tuple[RunStatus, int, int]
-
-MAX_REQUEUE_FACTOR: Final = 16
-"""The longest wait before the same attempt is enqueued again, in ``requeue_after_s``: 16 min
-at the default, so even a run whose every message is lost is found again within that."""
+type _Order = tuple[datetime, str, str]
 
 DUE_LIMIT: Final = 1000
-"""How many due runs one pass reads. More wait for the next pass, which comes as soon as the
+"""How many due runs one pass reads. More wait for a later pass, which comes as soon as the
 queue has taken these; the bound keeps one pass's read and memory small."""
+
+MESSAGES_PER_BURST: Final = 4
+"""Into how many messages at least a workspace's due runs are split (up to MAX_BATCH_RUNS
+runs each), so a handful of due runs still reaches several worker processes at once."""
 
 logger = structlog.get_logger("relayr.dispatch")
 
@@ -59,8 +74,9 @@ class DispatchPass:
         firings: Times rules fired, each creating a run.
         due: Runs found due.
         enqueued: Runs handed to the queue.
-        waiting: Due runs not enqueued again: their attempt was enqueued less than
-            ``requeue_after_s`` ago.
+        messages: Messages they went in.
+        waiting: Due runs not enqueued again: their message waits in the queue.
+        again: Runs enqueued again because their message was presumed lost.
         failed: Runs the queue refused; the next pass tries them again.
     """
 
@@ -68,8 +84,41 @@ class DispatchPass:
     firings: int = 0
     due: int = 0
     enqueued: int = 0
+    messages: int = 0
     waiting: int = 0
+    again: int = 0
     failed: int = 0
+
+
+@dataclass
+class _Message:
+    """A message this dispatcher sent, and what it knows of its fate."""
+
+    seq: int
+    runs: set[_RunKey]
+    taken_at: float | None = None
+    passed_at: float | None = None
+    """When the queue was first seen to have gone past it without a worker taking it."""
+
+
+@dataclass
+class _Queued:
+    """A run this dispatcher enqueued: at which attempt, in which message, in which order."""
+
+    attempt: _Attempt
+    message: _Message
+    order: _Order
+
+
+@dataclass
+class _Ledger:
+    """The messages in flight and the runs they named."""
+
+    runs: dict[_RunKey, _Queued] = field(default_factory=dict)
+    messages: dict[int, _Message] = field(default_factory=dict)
+    next_seq: int = 1
+    latest_taken: int = 0
+    """The newest message a worker is known to have taken: the queue is past every older one."""
 
 
 class Dispatcher:
@@ -79,6 +128,7 @@ class Dispatcher:
         runtime: The process's runtime; its holder names this dispatcher's leases.
         monotonic: The clock ``requeue_after_s`` is measured on.
         limit: How many due runs one pass reads.
+        queue_depth: How many messages wait in the broker's queue (see the module).
     """
 
     def __init__(
@@ -87,6 +137,7 @@ class Dispatcher:
         *,
         monotonic: Callable[[], float] = time.monotonic,
         limit: int = DUE_LIMIT,
+        queue_depth: QueueDepth | None = None,
     ) -> None:
         application = runtime.application
         self._rules = application.rules
@@ -101,53 +152,55 @@ class Dispatcher:
         self._interval_s = runtime.settings.dispatch_interval_s
         self._monotonic = monotonic
         self._limit = limit
-        self._queued: dict[_RunKey, tuple[_Attempt, float, float]] = {}
-        """Per run: the attempt enqueued, when, and how long to wait before enqueueing it again."""
+        self._queue_depth = queue_depth
+        self._sent = _Ledger()
 
     async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
-        """Tick, evaluate, and enqueue every due run whose attempt is not queued already.
+        """Tick, evaluate, and enqueue every due run whose message is not in the queue.
 
         Raises:
             Exception: What the storage raised while ticking, evaluating or reading due runs;
                 the next pass starts over. A failing ``enqueue`` is counted, not raised.
         """
-        ticks = await self._reactor.tick()
+        ticks = await self._reactor.tick() if self._rules.schedules else 0
         firings = await self._reactor.evaluate()
         policy = RunPolicy.of(self._rules.rules.values())
         due = await self._rules.storage.due_runs(
             now=self._rules.clock(), limit=self._limit, policy=policy
         )
         now = self._monotonic()
-        enqueued = waiting = failed = 0
-        listed: set[_RunKey] = set()
-        for ref, run in due:
-            key = (ref.tenant_id, ref.workspace_id, run.id)
-            attempt: _Attempt = (run.status, run.attempts, run.epoch)
-            listed.add(key)
-            queued = self._queued.get(key)
-            wait_s = self._requeue_after_s
-            if queued is not None and queued[0] == attempt:
-                if now - queued[1] < queued[2]:
-                    waiting += 1
-                    continue
-                wait_s = min(queued[2] * 2, self._requeue_after_s * MAX_REQUEUE_FACTOR)
+        listed = {_key(ref, run): run for ref, run in due}
+        window = _order(*due[-1]) if len(due) >= self._limit else None
+        await self._observe(listed, window, now)
+        fresh: list[tuple[_RunKey, Run]] = []
+        waiting = again = 0
+        for key, run in listed.items():
+            queued = self._sent.runs.get(key)
+            if queued is None or queued.attempt != _attempt(run):
+                fresh.append((key, run))
+            elif self._lost(queued.message, now):
                 logger.info(
-                    "run still due: enqueued again",
+                    "run's message presumed lost: enqueued again",
                     run_id=run.id,
-                    status=run.status,
                     key=key,
-                    next_in_s=wait_s,
+                    message=queued.message.seq,
                 )
+                fresh.append((key, run))
+                again += 1
+            else:
+                waiting += 1
+        enqueued = messages = failed = 0
+        for batch, runs in _batches(fresh):
             try:
-                await enqueue(*key)
+                await enqueue(batch)
             except Exception:
-                logger.exception("enqueueing a run failed", run_id=run.id, key=key)
-                failed += 1
+                logger.exception("enqueueing runs failed", run_ids=list(batch.run_ids))
+                failed += len(runs)
                 continue
-            self._queued[key] = (attempt, now, wait_s)
-            enqueued += 1
-        self._forget(listed, now)
-        done = DispatchPass(ticks, firings, len(due), enqueued, waiting, failed)
+            self._sent_now(runs)
+            enqueued += len(runs)
+            messages += 1
+        done = DispatchPass(ticks, firings, len(due), enqueued, messages, waiting, again, failed)
         if ticks or firings or enqueued or failed:
             logger.info("dispatch pass", **vars(done))
         return done
@@ -156,7 +209,7 @@ class Dispatcher:
         """Run passes every ``dispatch_interval_s`` until ``stop`` is set.
 
         A pass that fails is logged and the next one starts over; a pass that filled its limit
-        is followed at once by the next.
+        and enqueued something is followed at once by the next.
         """
         while not stop.is_set():
             full = False
@@ -171,15 +224,97 @@ class Dispatcher:
                 async with asyncio.timeout(self._interval_s):
                     await stop.wait()
 
-    def _forget(self, listed: set[_RunKey], now: float) -> None:
-        """Forget runs that are no longer due once their hint could no longer hold one back.
+    async def _observe(self, listed: dict[_RunKey, Run], window: _Order | None, now: float) -> None:
+        """Learn from the due list which messages workers took, and forget what is done.
 
-        A run that is running under its lease is not listed, but is kept until
-        ``requeue_after_s`` passes, so a pass that reads a page without it does not enqueue
-        it again meanwhile; memory holds at most the runs of that long.
+        A run this dispatcher enqueued that is no longer listed, though the list would show
+        it (it comes before the list's end when the list was cut at the limit), left the due
+        list: its message was taken. A listed run whose attempt changed was taken too.
         """
-        self._queued = {
-            key: queued
-            for key, queued in self._queued.items()
-            if key in listed or now - queued[1] < queued[2]
-        }
+        sent = self._sent
+        for key, queued in list(sent.runs.items()):
+            run = listed.get(key)
+            if run is not None and _attempt(run) == queued.attempt:
+                continue
+            if run is None and window is not None and queued.order >= window:
+                continue  # past the list's end: the list says nothing about it
+            if queued.message.taken_at is None:
+                queued.message.taken_at = now
+            sent.latest_taken = max(sent.latest_taken, queued.message.seq)
+            queued.message.runs.discard(key)
+            del sent.runs[key]
+        outstanding = sorted(
+            (m for m in sent.messages.values() if m.taken_at is None), key=lambda m: m.seq
+        )
+        if outstanding:
+            depth = None if self._queue_depth is None else await self._queue_depth()
+            head = outstanding[0]
+            for message in outstanding:
+                passed = message.seq < sent.latest_taken or (
+                    message is head and (depth is None or depth == 0)
+                )
+                if passed and message.passed_at is None:
+                    message.passed_at = now
+                elif not passed:
+                    message.passed_at = None
+        sent.messages = {seq: m for seq, m in sent.messages.items() if m.runs}
+
+    def _lost(self, message: _Message, now: float) -> bool:
+        since = message.taken_at if message.taken_at is not None else message.passed_at
+        return since is not None and now - since >= self._requeue_after_s
+
+    def _sent_now(self, runs: Sequence[tuple[_RunKey, Run]]) -> None:
+        sent = self._sent
+        message = _Message(sent.next_seq, {key for key, _ in runs})
+        sent.next_seq += 1
+        sent.messages[message.seq] = message
+        for key, run in runs:
+            previous = sent.runs.get(key)
+            if previous is not None:
+                previous.message.runs.discard(key)
+            sent.runs[key] = _Queued(_attempt(run), message, _order_of(key, run))
+        sent.messages = {seq: m for seq, m in sent.messages.items() if m.runs}
+
+
+def _batches(
+    runs: Sequence[tuple[_RunKey, Run]],
+) -> Iterator[tuple[RunBatch, list[tuple[_RunKey, Run]]]]:
+    """Group runs into messages: by workspace, in order, each workspace's split into at least
+    :data:`MESSAGES_PER_BURST` messages of at most MAX_BATCH_RUNS runs; a run whose last
+    attempt was abandoned goes alone."""
+    by_workspace: dict[tuple[str, str], list[tuple[_RunKey, Run]]] = {}
+    alone: list[list[tuple[_RunKey, Run]]] = []
+    for key, run in runs:
+        if run.reason == "abandoned":
+            alone.append([(key, run)])
+        else:
+            by_workspace.setdefault(key[:2], []).append((key, run))
+    groups = list(alone)
+    for members in by_workspace.values():
+        size = min(MAX_BATCH_RUNS, max(1, math.ceil(len(members) / MESSAGES_PER_BURST)))
+        groups.extend(members[index : index + size] for index in range(0, len(members), size))
+    for group in groups:
+        tenant_id, workspace_id, _ = group[0][0]
+        batch = RunBatch(
+            tenant_id=tenant_id,
+            workspace_id=workspace_id,
+            run_ids=tuple(run.id for _, run in group),
+        )
+        yield batch, group
+
+
+def _key(ref: WorkspaceRef, run: Run) -> _RunKey:
+    return (ref.tenant_id, ref.workspace_id, run.id)
+
+
+def _attempt(run: Run) -> _Attempt:
+    return (run.status, run.attempts, run.epoch)
+
+
+def _order(ref: WorkspaceRef, run: Run) -> _Order:
+    """Where a run comes in the store's due list (by due time, then workspace)."""
+    return (run.next_attempt_at, ref.tenant_id, ref.workspace_id)
+
+
+def _order_of(key: _RunKey, run: Run) -> _Order:
+    return (run.next_attempt_at, key[0], key[1])

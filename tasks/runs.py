@@ -1,45 +1,54 @@
-"""The run task: ids in, one call into :mod:`relayr.executor`, an outcome out, in the log.
+"""The run tasks: ids in, one call into :mod:`relayr.executor`, outcomes out, in the log.
 
 A task is like a web view (Celery's own advice): it checks its arguments, makes one call into
-the library, and maps typed outcomes to what the worker does and says. It carries three ids
-and nothing else; the run is re-read from reflexr's store, which decides whether anything
-happens (DESIGN contract 7). So a duplicated or redelivered message is harmless: a run that is
-not due, or that another worker holds, does nothing and the log says so.
+the library, and maps typed outcomes to what the worker does and says. It carries ids and
+nothing else (:class:`relayr.batch.RunBatch`); each run is re-read from reflexr's store, which
+decides whether anything happens (ADR-0001). So a duplicated or redelivered message is
+harmless: a run that is not due, or that another worker holds, does nothing and the log says so.
 
-- Malformed arguments (not three non-empty strings of bounded length, without NUL or lone
-  surrogates, each given once): one log line, no write, no retry: the message is rejected,
-  never requeued (:class:`InvalidTask`).
-- A delivery past ``max_redeliveries`` (its task killed its worker that often): the run is
-  failed with reason ``worker_lost`` instead of being run again (ADR-0011).
-- The runs of the same rule and scope that became due when this run ended are enqueued at
-  once, so a scope advances at the pace of its runs, not of the dispatcher's passes.
+- ``relayr.execute_runs(tenant_id, workspace_id, run_ids)`` names up to
+  :data:`relayr.batch.MAX_BATCH_RUNS` runs of one workspace, executed together
+  (:func:`relayr.executor.execute_runs`); ``relayr.execute_run(tenant_id, workspace_id,
+  run_id)``, the one-run message of earlier releases, is still served.
+- Malformed arguments: one log line, no write, no retry: the message is rejected, never
+  requeued (:class:`InvalidTask`).
+- A message delivered again because its worker died (``task_retry_on_worker_lost``): a message
+  of several runs is split into one message per run, so a run that kills its worker takes no
+  other run with it again; a one-run message past ``max_redeliveries`` fails its run with
+  reason ``worker_lost`` instead of running it again (ADR-0011).
 """
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import structlog
 from celery import shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from relayr import executor, metrics
+from relayr.batch import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunBatch
 from relayr.errors import InvalidTask
 from relayr.executor import Executed
 from tasks.worker import process
 
 logger = structlog.get_logger("relayr.tasks")
 
-TASK_NAME: Final = "relayr.execute_run"
+TASK_NAME: Final = "relayr.execute_runs"
 """The run task's name, stable across releases: messages queued by an older dispatcher must
 still find their task."""
 
-MAX_ID_LENGTH: Final = 256
-"""The longest tenant, workspace or run id a task accepts. reflexr's run ids are 20 characters;
-the bound keeps a garbage message from reaching storage."""
+LEGACY_TASK_NAME: Final = "relayr.execute_run"
+"""The one-run task of earlier releases, still served so their queued messages run."""
 
 ID_NAMES: Final = ("tenant_id", "workspace_id", "run_id")
+"""The one-run task's arguments, in order."""
+
+BATCH_NAMES: Final = ("tenant_id", "workspace_id", "run_ids")
+"""The run task's arguments, in order."""
 
 OUTCOMES: Final[Mapping[str, tuple[int, str]]] = {
     "succeeded": (logging.INFO, "run succeeded"),
@@ -58,7 +67,7 @@ OUTCOMES: Final[Mapping[str, tuple[int, str]]] = {
 
 @dataclass(frozen=True)
 class RunIds:
-    """What a run task is about: one reflexr run in one tenant's workspace."""
+    """One reflexr run in one tenant's workspace: what a one-run message names."""
 
     tenant_id: str
     workspace_id: str
@@ -67,51 +76,99 @@ class RunIds:
     def as_args(self) -> tuple[str, str, str]:
         return (self.tenant_id, self.workspace_id, self.run_id)
 
+    def as_batch(self) -> RunBatch:
+        return RunBatch(
+            tenant_id=self.tenant_id, workspace_id=self.workspace_id, run_ids=(self.run_id,)
+        )
+
 
 def parse_ids(args: Sequence[object], kwargs: Mapping[str, object]) -> RunIds:
-    """Read a task's arguments as :class:`RunIds`, by position or by name (not both).
+    """Read a one-run task's arguments as :class:`RunIds`, by position or by name (not both).
 
     Raises:
         InvalidTask: Naming what is wrong, for anything but three ids.
     """
-    unknown = sorted(set(kwargs) - set(ID_NAMES))
+    values = _by_name(args, kwargs, ID_NAMES)
+    batch = _validated(
+        {
+            "tenant_id": values["tenant_id"],
+            "workspace_id": values["workspace_id"],
+            "run_ids": (values["run_id"],),
+        },
+        {"run_ids": "run_id"},
+    )
+    return RunIds(batch.tenant_id, batch.workspace_id, batch.run_ids[0])
+
+
+def parse_batch(args: Sequence[object], kwargs: Mapping[str, object]) -> RunBatch:
+    """Read the run task's arguments as a :class:`RunBatch`, by position or by name.
+
+    Raises:
+        InvalidTask: Naming what is wrong.
+    """
+    return _validated(_by_name(args, kwargs, BATCH_NAMES), {})
+
+
+def _by_name(
+    args: Sequence[object], kwargs: Mapping[str, object], names: tuple[str, ...]
+) -> dict[str, object]:
+    unknown = sorted(set(kwargs) - set(names))
     if unknown:
         raise InvalidTask(f"unexpected task arguments: {', '.join(unknown)}")
-    if len(args) > len(ID_NAMES):
-        raise InvalidTask(f"expected 3 task arguments, got {len(args)}")
-    values = dict(zip(ID_NAMES, args, strict=False))
+    if len(args) > len(names):
+        raise InvalidTask(f"expected {len(names)} task arguments, got {len(args)}")
+    values = dict(zip(names, args, strict=False))
     twice = [name for name in values if name in kwargs]
     if twice:
         raise InvalidTask(f"task argument {twice[0]} is given twice, by position and by name")
-    for name in ID_NAMES[len(args) :]:
+    for name in names[len(args) :]:
         if name not in kwargs:
             raise InvalidTask(f"task argument {name} is missing")
         values[name] = kwargs[name]
-    for name, value in values.items():
-        if not isinstance(value, str):
-            raise InvalidTask(f"task argument {name} must be a string, not {type(value).__name__}")
-        if not value.strip():
-            raise InvalidTask(f"task argument {name} is empty")
-        if len(value) > MAX_ID_LENGTH:
-            raise InvalidTask(f"task argument {name} is longer than {MAX_ID_LENGTH} characters")
-        if "\x00" in value:
-            raise InvalidTask(f"task argument {name} contains a NUL character")
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidTask(
-                    f"task argument {name} is not text that storage can hold (a lone surrogate)"
-                ) from None
-    return RunIds(**{name: str(value) for name, value in values.items()})
+    return values
+
+
+def _validated(values: Mapping[str, object], renamed: Mapping[str, str]) -> RunBatch:
+    try:
+        return RunBatch.model_validate(values)
+    except ValidationError as invalid:
+        raise InvalidTask(_problem(invalid.errors()[0], renamed)) from None
+
+
+def _problem(error: ErrorDetails, renamed: Mapping[str, str]) -> str:
+    """One line for the first thing wrong, naming the argument as the task's caller knows it."""
+    field, *index = error["loc"]
+    name = renamed.get(str(field), str(field))
+    if index and name == "run_ids":
+        name = f"run_ids[{index[0]}]"
+    kind, given = error["type"], error["input"]
+    if kind == "string_type":
+        return f"task argument {name} must be a string, not {type(given).__name__}"
+    if kind == "string_unicode":
+        return f"task argument {name} is not text that storage can hold (a lone surrogate)"
+    if kind == "string_too_short":
+        return f"task argument {name} is empty"
+    if kind == "string_too_long":
+        return f"task argument {name} is longer than {MAX_ID_LENGTH} characters"
+    if kind == "tuple_type":
+        return f"task argument {name} must be a list of ids, not {type(given).__name__}"
+    if kind == "too_short":
+        return f"task argument {name} names no run"
+    if kind == "too_long":
+        return f"task argument {name} names more than {MAX_BATCH_RUNS} runs"
+    if kind == "value_error":
+        return f"task argument {name} {error['ctx']['error']}"
+    return f"task argument {name} is invalid: {error['msg'].lower()}"
 
 
 def outcome_fields(executed: Executed) -> dict[str, Any]:
     """The log fields an outcome adds: the run's rule, attempt and reason, when it was read."""
     fields: dict[str, Any] = {"outcome": executed.outcome}
+    run = executed.run
+    if executed.run_id or run is not None:
+        fields["run_id"] = executed.run_id or (run.id if run is not None else "")
     if executed.detail:
         fields["detail"] = executed.detail
-    run = executed.run
     if run is not None:
         fields.update(rule=run.rule, attempt=run.attempts, status=run.status, reason=run.reason)
     return fields
@@ -122,70 +179,124 @@ def log_outcome(executed: Executed) -> None:
     logger.log(level, message, **outcome_fields(executed))
 
 
+def send_runs(app: Any, queue: str, batch: RunBatch) -> None:
+    """Queue one run message (the dispatcher's, ``runs retry``'s and this task's way to hand
+    runs to a worker). Celery retries a publish that meets a connection error, a bounded
+    number of times (``task_publish_retry_policy``); what still fails is raised."""
+    app.send_task(
+        TASK_NAME, args=(batch.tenant_id, batch.workspace_id, list(batch.run_ids)), queue=queue
+    )
+    metrics.record_enqueued(len(batch.run_ids))
+
+
 def send_run(app: Any, queue: str, ids: RunIds) -> None:
-    """Queue one run task (the dispatcher's and this task's way to hand a run to a worker)."""
-    app.send_task(TASK_NAME, args=ids.as_args(), queue=queue)
-    metrics.record_enqueued()
+    """Queue one message naming one run."""
+    send_runs(app, queue, ids.as_batch())
 
 
-def _execute_run(self: Any, *args: object, **kwargs: object) -> str:
-    """Execute reflexr run ``run_id`` of ``tenant_id``/``workspace_id`` (the task's 3 args).
-
-    Returns the outcome's name (Celery discards it: there is no result backend).
-    """
+def _execute(self: Any, batch: RunBatch) -> list[str]:
+    """Execute ``batch``'s runs; return their outcomes' names (Celery discards them: there is
+    no result backend)."""
     request = self.request
-    try:
-        ids = parse_ids(args, kwargs)
-    except InvalidTask as invalid:
-        logger.error("task refused", task_id=request.id, code=invalid.code, reason=invalid.message)
-        raise Reject(invalid, requeue=False) from None
     settings = process.settings
     assert settings is not None, "tasks.app.create_celery configures the process"
-    delivery = request.retries + 1
     if request.retries or (request.delivery_info or {}).get("redelivered"):
         metrics.record_redelivery()
     with structlog.contextvars.bound_contextvars(
-        run_id=ids.run_id,
-        tenant=ids.tenant_id,
-        workspace=ids.workspace_id,
+        tenant=batch.tenant_id,
+        workspace=batch.workspace_id,
         task_id=request.id,
-        delivery=delivery,
+        delivery=request.retries + 1,
     ):
+        if request.retries and len(batch.run_ids) > 1:
+            _split(self.app, settings.queue, batch)
+            return []
         try:
-            runtime = process.runtime()
             if request.retries > settings.max_redeliveries:
-                logger.error(
-                    "run's task killed its worker too often: failing the run",
-                    outcome="worker_lost",
-                    reason="worker_lost",
-                    max_redeliveries=settings.max_redeliveries,
-                )
-                executed = process.call(
-                    executor.fail_run(
-                        runtime,
-                        *ids.as_args(),
-                        reason="worker_lost",
-                        error=f"the task of this run was delivered {delivery} times and its "
-                        f"worker was lost each time (max_redeliveries={settings.max_redeliveries})",
+                results = [_fail_lost(batch, request.retries + 1, settings.max_redeliveries)]
+            else:
+                results = process.call(
+                    executor.execute_runs(
+                        process.runtime(), batch.tenant_id, batch.workspace_id, batch.run_ids
                     )
                 )
-            else:
-                logger.debug("run received")
-                executed = process.call(executor.execute_run(runtime, *ids.as_args()))
         except SoftTimeLimitExceeded:
             logger.warning(
-                "run interrupted by the task's soft time limit",
+                "runs interrupted by the task's soft time limit",
+                run_ids=list(batch.run_ids),
                 outcome="interrupted",
                 reason="soft_time_limit",
                 soft_time_limit_s=settings.soft_time_limit_s,
             )
-            return "interrupted"
-        log_outcome(executed)
-        for run_id in executed.next_runs:
-            send_run(self.app, settings.queue, RunIds(ids.tenant_id, ids.workspace_id, run_id))
-            logger.info("next run of the scope enqueued", next_run_id=run_id)
-        return executed.outcome
+            return ["interrupted"]
+        for executed in results:
+            log_outcome(executed)
+        return [executed.outcome for executed in results]
 
 
-execute_run: Final = shared_task(name=TASK_NAME, bind=True, typing=False)(_execute_run)
-"""The Celery task ``relayr.execute_run(tenant_id, workspace_id, run_id)``."""
+def _fail_lost(batch: RunBatch, delivery: int, max_redeliveries: int) -> Executed:
+    (run_id,) = batch.run_ids
+    logger.error(
+        "run's task killed its worker too often: failing the run",
+        run_id=run_id,
+        outcome="worker_lost",
+        reason="worker_lost",
+        max_redeliveries=max_redeliveries,
+    )
+    return process.call(
+        executor.fail_run(
+            process.runtime(),
+            batch.tenant_id,
+            batch.workspace_id,
+            run_id,
+            reason="worker_lost",
+            error=f"the task of this run was delivered {delivery} times and its worker was "
+            f"lost each time (max_redeliveries={max_redeliveries})",
+        )
+    )
+
+
+def _split(app: Any, queue: str, batch: RunBatch) -> None:
+    """Send each run of a message whose worker died as a message of its own."""
+    for run_id in batch.run_ids:
+        send_runs(app, queue, batch.model_copy(update={"run_ids": (run_id,)}))
+    logger.warning(
+        "a message whose worker died was split into one message per run",
+        run_ids=list(batch.run_ids),
+    )
+
+
+def _refused(request: Any, invalid: InvalidTask) -> Reject:
+    logger.error("task refused", task_id=request.id, code=invalid.code, reason=invalid.message)
+    return Reject(invalid, requeue=False)
+
+
+def _execute_runs(self: Any, *args: object, **kwargs: object) -> list[str]:
+    """Execute the runs ``run_ids`` of ``tenant_id``/``workspace_id`` (the task's 3 args)."""
+    try:
+        batch = parse_batch(args, kwargs)
+    except InvalidTask as invalid:
+        raise _refused(self.request, invalid) from None
+    return _execute(self, batch)
+
+
+def _execute_run(self: Any, *args: object, **kwargs: object) -> list[str]:
+    """Execute reflexr run ``run_id`` of ``tenant_id``/``workspace_id`` (earlier releases'
+    one-run message)."""
+    try:
+        ids = parse_ids(args, kwargs)
+    except InvalidTask as invalid:
+        raise _refused(self.request, invalid) from None
+    return _execute(self, ids.as_batch())
+
+
+execute_runs: Final = shared_task(name=TASK_NAME, bind=True, typing=False)(_execute_runs)
+"""The Celery task ``relayr.execute_runs(tenant_id, workspace_id, run_ids)``."""
+
+execute_run: Final = shared_task(name=LEGACY_TASK_NAME, bind=True, typing=False)(_execute_run)
+"""The Celery task ``relayr.execute_run(tenant_id, workspace_id, run_id)`` of earlier releases."""
+
+
+def task_names() -> Iterable[str]:
+    """Every run task's name, for the app's routes and annotations."""
+    return (TASK_NAME, LEGACY_TASK_NAME)

@@ -27,6 +27,7 @@ from reflexr.workspace import InMemoryStorage, Reaction, Reactor, RunFailure, Wo
 from relayr.actions import RunActions, acting
 from relayr.allowlist import Allowlists, parse_allowlist
 from relayr.bridge import Bridge
+from relayr.emissions import EmissionRecord
 from relayr.ledger import Cause, InMemoryLedger, WorkspaceKey
 from relayr.turns import turn_cause
 
@@ -99,6 +100,7 @@ class Harness:
         )
         self.user = UserActor(id="alice")
         self.reactor = Reactor(self.rules, actions={"act": _noop})
+        self.attempts: list[RunActions] = []
 
     async def thread(self, title: str = "incident") -> str:
         handle = await self.artifacts.open(TENANT, WORKSPACE, actor=self.user)
@@ -126,7 +128,17 @@ class Harness:
         )
 
     async def attempt(self, rule: str, thread_id: str, attempt: int = 1) -> RunActions:
-        return acting(await self.reaction(rule, thread_id, attempt))
+        actions = acting(await self.reaction(rule, thread_id, attempt))
+        self.attempts.append(actions)
+        return actions
+
+    async def records(self, run_id: str) -> list[EmissionRecord]:
+        """The run's emission records, once the attempts so far completed: completing an
+        attempt commits what its actions left for it (as the executor does)."""
+        for actions in self.attempts:
+            await self.ledger.write(actions.pending)
+        self.attempts.clear()
+        return await self.ledger.emissions(KEY, run_id)
 
     async def messages(self, thread_id: str) -> list[tuple[MessagePosted, str]]:
         handle = await self.artifacts.open(TENANT, WORKSPACE, actor=self.user)
@@ -187,7 +199,7 @@ async def test_a_notice_attempted_three_times_posts_once(harness: Harness) -> No
         ids[0],
     )
     run_id = (await harness.reaction("ops:notify", thread)).run_id
-    records = await harness.ledger.emissions(KEY, run_id)
+    records = await harness.records(run_id)
     assert [(r.attempt, r.outcome, r.policy) for r in records] == [
         (1, "posted", "notice"),
         (2, "already_posted", "notice"),
@@ -204,7 +216,7 @@ async def test_b_send_without_turns_is_not_allowed_and_writes_nothing(harness: H
     assert "ops:notify may not start turns" in refused.value.message
     assert await harness.messages(thread) == []
     run_id = (await harness.reaction("ops:notify", thread)).run_id
-    assert await harness.ledger.emissions(KEY, run_id) == []
+    assert await harness.records(run_id) == []
 
 
 async def test_c_allowlisted_send_starts_one_turn_and_a_retry_asks_for_nothing_more(
@@ -221,7 +233,7 @@ async def test_c_allowlisted_send_starts_one_turn_and_a_retry_asks_for_nothing_m
     mine = [m for m, author in await harness.messages(thread) if author.startswith("external")]
     assert [(m.kind, m.message_id) for m in mine] == [("message", message_id)]
     run_id = (await harness.reaction("ops:triage", thread)).run_id
-    records = await harness.ledger.emissions(KEY, run_id)
+    records = await harness.records(run_id)
     assert [(r.kind, r.policy, r.outcome) for r in records] == [
         ("message", "turn", "posted"),
         ("message", "turn", "asked"),
@@ -300,7 +312,7 @@ async def test_h_post_is_routed_by_the_allowlist(harness: Harness) -> None:
     assert len(await harness.turns(thread)) == 1
     for rule, policy in (("ops:triage", "turn"), ("ops:notify", "notice")):
         run_id = (await harness.reaction(rule, thread)).run_id
-        [record] = await harness.ledger.emissions(KEY, run_id)
+        [record] = await harness.records(run_id)
         assert record.policy == policy
 
 

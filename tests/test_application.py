@@ -21,9 +21,10 @@ from relayr.application import (
     load_factory,
     open_storage,
 )
+from relayr.batch import RunBatch
 from relayr.dispatch import Dispatcher
 from relayr.errors import InvalidAllowlist, InvalidApplication
-from relayr.executor import Executed, execute_run
+from relayr.executor import Executed, execute_run, execute_runs
 from relayr.runtime import Role, Runtime
 from relayr.settings import Settings
 from rules.example import (
@@ -256,10 +257,10 @@ class Example:
         self.runtime = runtime
         self.application = runtime.application
         self.dispatcher = Dispatcher(runtime)
-        self.enqueued: list[tuple[str, str, str]] = []
+        self.enqueued: list[RunBatch] = []
 
-    async def enqueue(self, tenant_id: str, workspace_id: str, run_id: str) -> None:
-        self.enqueued.append((tenant_id, workspace_id, run_id))
+    async def enqueue(self, batch: RunBatch) -> None:
+        self.enqueued.append(batch)
 
     async def thread(self, title: str) -> str:
         handle = await self.application.artifacts.open(TENANT, WORKSPACE, actor=ALICE)
@@ -274,7 +275,13 @@ class Example:
         """One dispatcher pass, then every run it enqueued executed."""
         self.enqueued.clear()
         await self.dispatcher.pass_once(self.enqueue)
-        return [await execute_run(self.runtime, *ids) for ids in self.enqueued]
+        return [
+            executed
+            for batch in self.enqueued
+            for executed in await execute_runs(
+                self.runtime, batch.tenant_id, batch.workspace_id, batch.run_ids
+            )
+        ]
 
     async def transcript(self, thread_id: str) -> list[tuple[str, str, str]]:
         """(kind, author, content) of each message in the thread, in order."""

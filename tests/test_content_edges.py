@@ -123,7 +123,7 @@ async def check(
     mine = [e.event for e in log if e.actor.participant == RULE_AUTHOR]
     messages = [m for m in mine if isinstance(m, MessagePosted)]
     run_id = (await world.reaction(HOME, thread)).run_id
-    records = await world.ledger.emissions(HOME, run_id)
+    records = await world.records(HOME, run_id)
     problems: list[str] = []
     if refused is not None:
         reasons = {r.reason if isinstance(r, RunFailure) else f"posted {r}" for r in results}

@@ -1,8 +1,9 @@
 """The dispatcher on real reflexr storage: each due run enqueued once per attempt.
 
-The queue here is a list: what the dispatcher promises is which ids it hands over, and when.
-``requeue_after_s`` is measured on a clock the test moves, so "the message was lost" needs no
-waiting.
+The queue here is a list of messages: what the dispatcher promises is which ids it hands over,
+together, and when. A worker taking a message is a run executed (so it leaves the due list), as
+it would be. ``requeue_after_s`` is measured on a clock the test moves, so "the message was
+lost" needs no waiting.
 """
 
 import asyncio
@@ -20,9 +21,10 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 
 from relayr.allowlist import Allowlists
 from relayr.application import Application, open_storage
+from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.bridge import Bridge
 from relayr.dispatch import Dispatcher, DispatchPass
-from relayr.executor import execute_run
+from relayr.executor import execute_run, execute_runs
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 
@@ -96,15 +98,20 @@ class Harness:
         self.runtime = runtime
         self.rules = runtime.application.rules
         self.clock = Clock()
-        self.dispatcher = Dispatcher(runtime, monotonic=self.clock)
-        self.queue: list[str] = []
+        self.depth: int | None = None
+        """What the broker says waits in the queue; None: it cannot say."""
+        self.dispatcher = Dispatcher(runtime, monotonic=self.clock, queue_depth=self.queue_depth)
+        self.queue: list[RunBatch] = []
         gates = runtime.application.app_deps
         assert isinstance(gates, Gates)
         self.gates = gates
 
-    async def enqueue(self, tenant_id: str, workspace_id: str, run_id: str) -> None:
-        assert (tenant_id, workspace_id) == (TENANT, WORKSPACE)
-        self.queue.append(run_id)
+    async def queue_depth(self) -> int | None:
+        return self.depth
+
+    async def enqueue(self, batch: RunBatch) -> None:
+        assert (batch.tenant_id, batch.workspace_id) == (TENANT, WORKSPACE)
+        self.queue.append(batch)
 
     async def publish(self, *events: Event) -> None:
         source = await self.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
@@ -115,11 +122,15 @@ class Harness:
         """One pass; returns it and the ids it enqueued."""
         self.queue.clear()
         done = await self.dispatcher.pass_once(self.enqueue)
-        return done, list(self.queue)
+        return done, [run_id for batch in self.queue for run_id in batch.run_ids]
+
+    async def take(self, run_ids: list[str]) -> None:
+        """What a worker does with a message it takes: execute its runs."""
+        await execute_runs(self.runtime, TENANT, WORKSPACE, run_ids)
 
     async def runs(self) -> dict[str, str]:
         source = await self.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
-        return {r.id: r.status for r in await source.runs()}
+        return {r.id: r.status for r in await source.runs(limit=1000)}
 
 
 @pytest.fixture(
@@ -167,48 +178,140 @@ async def test_each_due_run_is_enqueued_once(harness: Harness) -> None:
     first, enqueued = await harness.dispatch()
     second, again = await harness.dispatch()
 
-    assert first == DispatchPass(firings=3, due=3, enqueued=3)
+    assert first == DispatchPass(firings=3, due=3, enqueued=3, messages=3)
     assert sorted(enqueued) == sorted(await harness.runs())
     assert second == DispatchPass(due=3, waiting=3)
     assert again == []
 
 
-async def test_a_run_still_due_after_requeue_after_s_is_enqueued_again(harness: Harness) -> None:
-    """Its message was lost: the broker dropped it, or the worker died before claiming."""
-    await harness.publish(Ping())
-    _, [run_id] = await harness.dispatch()
+@pytest.mark.parametrize(
+    ("runs", "sizes"),
+    [(2, [1, 1]), (10, [3, 3, 3, 1]), (40, [10] * 4), (100, [MAX_BATCH_RUNS] * 5)],
+)
+async def test_the_due_runs_of_a_workspace_share_messages(
+    harness: Harness, runs: int, sizes: list[int]
+) -> None:
+    """A burst goes in few messages, yet in several, so several workers share it."""
+    await harness.publish(*(Ping() for _ in range(runs)))
 
+    done, enqueued = await harness.dispatch()
+
+    assert [len(batch.run_ids) for batch in harness.queue] == sizes
+    assert (done.enqueued, done.messages) == (runs, len(sizes))
+    assert len(set(enqueued)) == runs
+
+
+async def test_a_run_whose_attempt_was_abandoned_goes_alone(harness: Harness) -> None:
+    """It may be what killed its worker: it must not take other runs with it again."""
+    await harness.publish(Ping(), Ping(), Ping())
+    _, [suspect, *_] = await harness.dispatch()
+    storage = harness.rules.storage
+    async with storage.transaction(REF) as transaction:
+        pending = await transaction.run(suspect)
+        assert pending is not None
+        await transaction.save_runs([start(pending, now=harness.rules.clock())[0]])
+    [abandoned] = await execute_runs(harness.runtime, TENANT, WORKSPACE, [suspect])
+    assert abandoned.outcome == "abandoned"
+    await asyncio.sleep(BACKOFF.total_seconds() * 1.5)
+    await harness.publish(Ping(), Ping(), Ping(), Ping())
+
+    await harness.dispatch()
+
+    alone = [batch.run_ids for batch in harness.queue if suspect in batch.run_ids]
+    assert alone == [(suspect,)]
+
+
+async def test_a_message_the_queue_went_past_is_sent_again_after_requeue_after_s(
+    harness: Harness,
+) -> None:
+    """A worker took a later message, yet this one's run is still due: the broker lost it."""
+    await harness.publish(Ping())
+    _, [lost] = await harness.dispatch()
+    await harness.publish(Ping())
+    _, [later] = await harness.dispatch()
+    await harness.take([later])
+
+    noticed, _ = await harness.dispatch()
     harness.clock.now += REQUEUE_AFTER_S - 1
     _, early = await harness.dispatch()
     harness.clock.now += 1
     done, late = await harness.dispatch()
     _, after = await harness.dispatch()
 
+    assert noticed.waiting == 1
     assert early == []
-    assert late == [run_id]
-    assert done.enqueued == 1
+    assert late == [lost]
+    assert (done.enqueued, done.again) == (1, 1)
     assert after == []
 
 
-async def test_each_further_requeue_of_one_attempt_waits_twice_as_long(harness: Harness) -> None:
-    """A run still due after a re-enqueue waits behind a backlog: copies must not pile up."""
-    from relayr.dispatch import MAX_REQUEUE_FACTOR
+async def test_a_message_waiting_behind_others_is_never_copied(harness: Harness) -> None:
+    """However long the queue is, and however long a run waits in it."""
+    await harness.publish(*(Ping() for _ in range(30)))
+    _, enqueued = await harness.dispatch()
+    harness.depth = len(harness.queue)
 
+    copies = []
+    for _ in range(20):
+        harness.clock.now += REQUEUE_AFTER_S
+        _, again = await harness.dispatch()
+        copies += again
+    await harness.take(enqueued[:8])
+    harness.depth -= 1
+    for _ in range(5):
+        harness.clock.now += REQUEUE_AFTER_S
+        _, again = await harness.dispatch()
+        copies += again
+
+    assert copies == []
+
+
+async def test_the_oldest_message_of_an_empty_queue_is_sent_again(harness: Harness) -> None:
+    """Nothing was sent after it, and the broker holds nothing: it is gone."""
     await harness.publish(Ping())
     _, [run_id] = await harness.dispatch()
-    waits = []
-    for _ in range(7):
-        waited = 0.0
-        while True:
-            harness.clock.now += REQUEUE_AFTER_S / 4
-            waited += REQUEUE_AFTER_S / 4
-            _, again = await harness.dispatch()
-            if again:
-                assert again == [run_id]
-                waits.append(waited / REQUEUE_AFTER_S)
-                break
+    harness.depth = 1
+    harness.clock.now += REQUEUE_AFTER_S * 5
+    _, waiting = await harness.dispatch()
+    harness.depth = 0
 
-    assert waits == [1, 2, 4, 8, 16, MAX_REQUEUE_FACTOR, MAX_REQUEUE_FACTOR]
+    _, noticed = await harness.dispatch()
+    harness.clock.now += REQUEUE_AFTER_S
+    _, late = await harness.dispatch()
+
+    assert waiting == []
+    assert noticed == []
+    assert late == [run_id]
+
+
+async def test_without_a_queue_depth_the_oldest_message_is_sent_again(harness: Harness) -> None:
+    await harness.publish(Ping())
+    _, [run_id] = await harness.dispatch()
+
+    _, noticed = await harness.dispatch()
+    harness.clock.now += REQUEUE_AFTER_S - 1
+    _, early = await harness.dispatch()
+    harness.clock.now += 1
+    _, late = await harness.dispatch()
+
+    assert noticed == early == []
+    assert late == [run_id]
+
+
+async def test_a_run_of_a_taken_message_still_due_is_sent_again(harness: Harness) -> None:
+    """A worker took the message but did not claim this run (its storage failed)."""
+    await harness.publish(*(Ping() for _ in range(5)))
+    await harness.dispatch()
+    [(first, second), *waiting] = [batch.run_ids for batch in harness.queue]
+    harness.depth = len(waiting)
+    await harness.take([first])
+
+    _, noticed = await harness.dispatch()
+    harness.clock.now += REQUEUE_AFTER_S
+    _, late = await harness.dispatch()
+
+    assert noticed == []
+    assert late == [second]
 
 
 async def test_a_run_at_its_next_attempt_is_enqueued_at_once(harness: Harness) -> None:
@@ -264,18 +367,20 @@ async def test_a_running_run_whose_lease_lapsed_is_found(harness: Harness) -> No
 
 
 async def test_an_ordered_scope_is_enqueued_one_run_at_a_time(harness: Harness) -> None:
-    await harness.publish(Step(key="a"), Step(key="a"), Step(key="b"))
+    """Only each scope's head is due; the worker that runs it goes on with the scope."""
+    await harness.publish(Step(key="a"), Step(key="a"), Step(key="a"), Step(key="b"))
 
     done, enqueued = await harness.dispatch()
     [head] = [r for r in enqueued if r in await _scope(harness, "a")]
-    executed = await execute_run(harness.runtime, TENANT, WORKSPACE, head)
-
-    assert done.firings == 3
-    assert len(enqueued) == 2  # the head of each scope
-    assert executed.outcome == "succeeded"
-    assert len(executed.next_runs) == 1
+    executed = await execute_runs(harness.runtime, TENANT, WORKSPACE, [head])
     _, following = await harness.dispatch()
-    assert following == list(executed.next_runs)
+
+    assert done.firings == 4
+    assert len(enqueued) == 2  # the head of each scope
+    assert [e.outcome for e in executed] == ["succeeded"] * 3
+    assert following == []
+    statuses = await harness.runs()
+    assert [statuses[run_id] for run_id in await _scope(harness, "a")] == ["succeeded"] * 3
 
 
 async def _scope(harness: Harness, key: str) -> set[str]:
@@ -287,8 +392,8 @@ async def test_a_run_the_queue_refused_is_enqueued_by_the_next_pass(harness: Har
     await harness.publish(Ping())
     refused: list[str] = []
 
-    async def broken(tenant_id: str, workspace_id: str, run_id: str) -> None:
-        refused.append(run_id)
+    async def broken(batch: RunBatch) -> None:
+        refused.extend(batch.run_ids)
         raise ConnectionError("broker down")
 
     failed = await harness.dispatcher.pass_once(broken)
@@ -303,23 +408,23 @@ async def test_a_run_the_queue_refused_is_enqueued_by_the_next_pass(harness: Har
 async def test_serve_dispatches_until_stopped(harness: Harness) -> None:
     stop = asyncio.Event()
 
-    async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
-        await harness.enqueue(tenant_id, workspace_id, run_id)
-        if len(harness.queue) == 2:
+    async def enqueue(batch: RunBatch) -> None:
+        await harness.enqueue(batch)
+        if sum(len(b.run_ids) for b in harness.queue) == 2:
             stop.set()
 
     serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
     await harness.publish(Ping(), Ping())
     await asyncio.wait_for(serving, 5)
 
-    assert sorted(harness.queue) == sorted(await harness.runs())
+    assert sorted(r for b in harness.queue for r in b.run_ids) == sorted(await harness.runs())
 
 
 async def test_serve_survives_a_failing_pass(harness: Harness) -> None:
     stop = asyncio.Event()
     calls = 0
 
-    async def enqueue_then_stop(tenant_id: str, workspace_id: str, run_id: str) -> None:
+    async def enqueue_then_stop(batch: RunBatch) -> None:
         nonlocal calls
         calls += 1
         stop.set()

@@ -31,7 +31,7 @@ from sqlalchemy import event
 from relayr.allowlist import Allowlists
 from relayr.application import Application, SharedStorage, open_storage
 from relayr.bridge import Bridge
-from relayr.executor import Executed, execute_run, fail_run, is_transient
+from relayr.executor import Executed, execute_run, execute_runs, fail_run, is_transient
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 
@@ -52,6 +52,7 @@ class Asked(ExecTestEvent, name="asked"):
 
 class Keyed(ExecTestEvent, name="keyed"):
     key: str
+    mode: str = "ok"
 
 
 class Timed(ExecTestEvent, name="timed"):
@@ -232,7 +233,6 @@ async def test_a_due_run_succeeds(harness: Harness) -> None:
     stored = await harness.run(run_id)
     assert (stored.status, stored.attempts, stored.epoch) == ("succeeded", 1, 1)
     assert stored.output == {"attempt": 1, "rule": "exec:work"}
-    assert executed.next_runs == ()
     assert await harness.facts(run_id) == ["run_started", "run_succeeded"]
 
 
@@ -485,31 +485,82 @@ async def test_an_outcome_after_an_operator_cancel_is_dropped(harness: Harness) 
     assert await harness.facts(run_id) == ["run_started", "run_cancelled"]
 
 
-async def test_an_ordered_scope_hands_over_its_next_run(harness: Harness) -> None:
+async def test_an_ordered_scope_goes_on_with_its_next_runs_in_one_execution(
+    harness: Harness,
+) -> None:
     first = await harness.fire(Keyed(key="api"))
     second = await harness.fire(Keyed(key="api"))
+    third = await harness.fire(Keyed(key="api"))
     other_scope = await harness.fire(Keyed(key="db"))
 
     too_early = await harness.execute(second)
-    executed = await harness.execute(first)
-    last = await harness.execute(second)
+    executed = await execute_runs(harness.runtime, TENANT, WORKSPACE, [first])
 
     assert too_early.outcome == "not_due"
     assert too_early.detail == f"run {second} waits: it is not first in its scope"
-    assert executed.outcome == "succeeded"
-    assert executed.next_runs == (second,)
-    assert last.outcome == "succeeded"
-    assert last.next_runs == ()
+    assert [(e.outcome, e.run.id if e.run else None) for e in executed] == [
+        ("succeeded", first),
+        ("succeeded", second),
+        ("succeeded", third),
+    ]
+    envelopes = await harness.rules.storage.read(REF)
+    order = [
+        (e.event.run_id, e.event_type.removeprefix("reflexr:"))
+        for e in envelopes
+        if getattr(e.event, "run_id", None) in (first, second, third)
+    ]
+    assert order == [
+        (run_id, fact)
+        for run_id in (first, second, third)
+        for fact in ("run_started", "run_succeeded")
+    ]
     assert (await harness.run(other_scope)).status == "pending"
 
 
-async def test_an_unordered_rule_hands_over_nothing(harness: Harness) -> None:
+async def test_a_scope_whose_run_fails_goes_no_further(harness: Harness) -> None:
+    first = await harness.fire(Keyed(key="api", mode="fail"))
+    second = await harness.fire(Keyed(key="api"))
+
+    executed = await execute_runs(harness.runtime, TENANT, WORKSPACE, [first])
+
+    assert [e.outcome for e in executed] == ["retrying"]
+    assert (await harness.run(second)).status == "pending"
+
+
+async def test_an_unordered_run_is_executed_alone(harness: Harness) -> None:
     first = await harness.fire(Asked(mode="ok"))
-    await harness.fire(Asked(mode="ok"))
+    other = await harness.fire(Asked(mode="ok"))
 
-    executed = await harness.execute(first)
+    executed = await execute_runs(harness.runtime, TENANT, WORKSPACE, [first])
 
-    assert executed.next_runs == ()
+    assert [e.outcome for e in executed] == ["succeeded"]
+    assert (await harness.run(other)).status == "pending"
+
+
+async def test_the_runs_of_one_message_are_claimed_and_executed_together(
+    harness: Harness,
+) -> None:
+    ok = [await harness.fire(Asked(mode="ok")) for _ in range(3)]
+    failing = await harness.fire(Asked(mode="fail"))
+    finished = await harness.fire(Asked(mode="ok"))
+    await harness.execute(finished)
+
+    executed = await execute_runs(
+        harness.runtime, TENANT, WORKSPACE, [*ok, failing, finished, "fir_missing", ok[0]]
+    )
+
+    assert [e.outcome for e in executed] == [
+        "succeeded",
+        "succeeded",
+        "succeeded",
+        "retrying",
+        "not_due",
+        "missing",
+    ]
+    for run_id in ok:
+        assert (await harness.run(run_id)).status == "succeeded"
+    assert (await harness.run(failing)).status == "retrying"
+    assert harness.runtime.executing == set()
 
 
 async def test_fail_run_kills_a_running_attempt_for_good(harness: Harness) -> None:

@@ -56,7 +56,15 @@ from relayr.actions import RunActions, acting
 from relayr.allowlist import Allowlists, parse_allowlist
 from relayr.bridge import Bridge
 from relayr.emissions import EmissionRecord
-from relayr.ledger import Cause, InMemoryLedger, Ledger, SqlLedger, WorkspaceKey, WriteKind
+from relayr.ledger import (
+    Cause,
+    InMemoryLedger,
+    Ledger,
+    LedgerWrites,
+    SqlLedger,
+    WorkspaceKey,
+    WriteKind,
+)
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 HOME = WorkspaceKey("acme", "ops")
@@ -125,6 +133,20 @@ class RecordingLedger:
     async def emissions(self, workspace: WorkspaceKey, run_id: str) -> list[EmissionRecord]:
         return await self.inner.emissions(workspace, run_id)
 
+    async def write(self, writes: LedgerWrites) -> None:
+        self._saw(writes)
+        await self.inner.write(writes)
+
+    @asynccontextmanager
+    async def alongside(self, writes: LedgerWrites) -> AsyncIterator[None]:
+        self._saw(writes)
+        async with self.inner.alongside(writes):
+            yield
+
+    def _saw(self, writes: LedgerWrites) -> None:
+        self.written += [cause.workspace for cause in writes.causes]
+        self.written += [WorkspaceKey(r.tenant_id, r.workspace_id) for r in writes.emissions]
+
     async def aclose(self) -> None:
         await self.inner.aclose()
 
@@ -142,6 +164,7 @@ class World:
     )
     runner: Runner[None] = field(default_factory=lambda: Runner(AGENT, app=None))
     logs: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[RunActions] = field(default_factory=list)
     _runs: dict[tuple[WorkspaceKey, str], Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -185,7 +208,17 @@ class World:
         )
 
     async def attempt(self, key: WorkspaceKey, thread_id: str, attempt: int = 1) -> RunActions:
-        return acting(await self.reaction(key, thread_id, attempt))
+        actions = acting(await self.reaction(key, thread_id, attempt))
+        self.attempts.append(actions)
+        return actions
+
+    async def records(self, key: WorkspaceKey, run_id: str) -> list[EmissionRecord]:
+        """The run's emission records, once the attempts so far completed: completing an
+        attempt commits what its actions left for it (as the executor does)."""
+        for actions in self.attempts:
+            await self.ledger.write(actions.pending)
+        self.attempts.clear()
+        return await self.ledger.emissions(key, run_id)
 
     async def settle(self) -> None:
         for _ in range(50):
@@ -489,7 +522,7 @@ async def scenario(kind: StorageKind, template: Path | None, story: Story) -> No
         assert set(world.ledger.written) <= {HOME}
         run_id = (await world.reaction(HOME, fired_in)).run_id
         for key in (NEIGHBOUR, STRANGER):
-            twin = await world.ledger.emissions(key, run_id)
+            twin = await world.records(key, run_id)
             assert all(record.tenant_id == key.tenant_id for record in twin)
 
         home = await world.handle(HOME)

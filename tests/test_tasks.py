@@ -17,12 +17,21 @@ import structlog
 from celery.exceptions import Reject, SoftTimeLimitExceeded
 from structlog.testing import capture_logs
 
+from relayr.batch import MAX_BATCH_RUNS
 from relayr.errors import InvalidTask
 from relayr.executor import Executed
 from relayr.logging import configure_logging
 from relayr.settings import Settings
 from tasks.app import celery_config, create_celery, transport_options
-from tasks.runs import MAX_ID_LENGTH, OUTCOMES, TASK_NAME, RunIds, log_outcome, parse_ids
+from tasks.runs import (
+    LEGACY_TASK_NAME,
+    MAX_ID_LENGTH,
+    OUTCOMES,
+    TASK_NAME,
+    RunIds,
+    log_outcome,
+    parse_ids,
+)
 from tasks.worker import EventLoopThread
 
 
@@ -67,16 +76,46 @@ def test_anything_but_three_ids_is_refused(
     assert refused.value.code == "invalid_task"
 
 
-def test_a_malformed_task_is_rejected_with_one_line_and_no_requeue(settings: Settings) -> None:
+@pytest.mark.parametrize(
+    ("name", "args", "problem"),
+    [
+        (
+            "relayr.execute_run",
+            ("acme", None, "fir_1"),
+            "workspace_id must be a string, not NoneType",
+        ),
+        (
+            "relayr.execute_runs",
+            ("acme", None, ["fir_1"]),
+            "workspace_id must be a string, not NoneType",
+        ),
+        ("relayr.execute_runs", ("acme", "ops", "fir_1"), "run_ids must be a list of ids, not str"),
+        ("relayr.execute_runs", ("acme", "ops", []), "run_ids names no run"),
+        (
+            "relayr.execute_runs",
+            ("acme", "ops", ["fir_1", 2]),
+            "run_ids[1] must be a string, not int",
+        ),
+        ("relayr.execute_runs", ("acme", "ops", ["fir_1", " "]), "run_ids[1] is empty"),
+        (
+            "relayr.execute_runs",
+            ("acme", "ops", ["fir_1"] * (MAX_BATCH_RUNS + 1)),
+            f"run_ids names more than {MAX_BATCH_RUNS} runs",
+        ),
+    ],
+)
+def test_a_malformed_task_is_rejected_with_one_line_and_no_requeue(
+    settings: Settings, name: str, args: tuple[Any, ...], problem: str
+) -> None:
     app = create_celery(settings)
-    task = app.tasks[TASK_NAME]
+    task = app.tasks[name]
     with capture_logs() as logs, pytest.raises(Reject) as rejected:
-        task("acme", None, "fir_1")
+        task(*args)
     assert rejected.value.requeue is False
     assert [(line["event"], line["code"], line["log_level"]) for line in logs] == [
         ("task refused", "invalid_task", "error")
     ]
-    assert logs[0]["reason"] == "task argument workspace_id must be a string, not NoneType"
+    assert logs[0]["reason"] == f"task argument {problem}"
 
 
 # ─── outcomes ─────────────────────────────────────────────────────────────────
@@ -158,20 +197,21 @@ def test_the_bounded_redelivery_reaches_the_task_body(settings: Settings) -> Non
     assert annotations["default_retry_delay"] > settings.lease_ttl_s
 
 
-def test_the_task_has_a_stable_name_and_goes_to_the_settings_queue(tmp_path: Path) -> None:
+def test_the_tasks_have_stable_names_and_go_to_the_settings_queue(tmp_path: Path) -> None:
     app = create_celery(Settings(home=tmp_path, queue="runs.eu"))
-    assert TASK_NAME == "relayr.execute_run"
-    assert TASK_NAME in app.tasks
+    assert (TASK_NAME, LEGACY_TASK_NAME) == ("relayr.execute_runs", "relayr.execute_run")
     assert app.conf.task_default_queue == "runs.eu"
-    assert app.amqp.router.route({}, TASK_NAME)["queue"].name == "runs.eu"
+    for name in (TASK_NAME, LEGACY_TASK_NAME):
+        assert name in app.tasks
+        assert app.amqp.router.route({}, name)["queue"].name == "runs.eu"
 
 
-def test_the_embedded_broker_polls_fast_in_folders_of_its_home(settings: Settings) -> None:
-    options = transport_options(settings)
-    assert options["polling_interval"] <= 0.1
-    assert Path(options["data_folder_in"]) == Path(options["data_folder_out"])
-    assert Path(options["data_folder_in"]).is_dir()
-    assert Path(options["data_folder_in"]).is_relative_to(settings.home.absolute())
+def test_the_embedded_broker_is_relayr_s_transport_in_a_folder_of_its_home(
+    settings: Settings,
+) -> None:
+    config = celery_config(settings)
+    assert config["broker_transport"] == "relayr.broker.filesystem:Transport"
+    assert Path(transport_options(settings)["folder"]).is_relative_to(settings.home.absolute())
 
 
 # ─── the loop thread ──────────────────────────────────────────────────────────

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from relayr.batch import RunBatch
 from relayr.dispatch import Dispatcher
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
-from tasks.runs import OUTCOMES, RunIds, send_run
+from tasks.runs import OUTCOMES, send_runs
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Handed:
     """What the dispatcher handed to the broker so far."""
 
     messages: int = 0
+    enqueued: int = 0
+    """Runs handed over, a run counted again each time it is."""
     runs: set[str] = field(default_factory=set)
     failures: int = 0
 
@@ -40,15 +43,15 @@ async def dispatching(runtime: Runtime, settings: Settings) -> AsyncIterator[Han
     app = create_celery(settings)
     handed = Handed()
 
-    async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
-        ids = RunIds(tenant_id, workspace_id, run_id)
+    async def enqueue(batch: RunBatch) -> None:
         try:
-            await asyncio.to_thread(send_run, app, settings.queue, ids)
+            await asyncio.to_thread(send_runs, app, settings.queue, batch)
         except Exception:
             handed.failures += 1
             raise
         handed.messages += 1
-        handed.runs.add(run_id)
+        handed.enqueued += len(batch.run_ids)
+        handed.runs.update(batch.run_ids)
 
     stop = asyncio.Event()
     dispatcher = asyncio.create_task(Dispatcher(runtime).serve(enqueue, stop))

@@ -1,0 +1,52 @@
+"""Transient faults: which errors may pass if the same step is tried again, and the bounded retry.
+
+A dropped database connection, SQLite's ``database is locked`` and a broker that is briefly
+unreachable pass within a second; a constraint, a refusal or a programming error does not. Each
+step relayr retries is safe to repeat: a storage transaction either committed or rolled back
+whole, an artifactr write carries an id derived from the run (a repeat is refused as used), a
+broker message only names runs whose store decides. So a transient fault is retried inside the
+attempt, a few times within about a second, and never spends one of the rule's retries; what
+still fails after that is the attempt's failure (or the task's), as before.
+"""
+
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from kombu.exceptions import OperationalError as BrokerUnreachable
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+TRIES: Final = 3
+"""How often one step is tried when it fails transiently. Three tries ride out a dropped
+connection or a SQLite file another process holds, while a database or broker that is down
+fails the step within about a second."""
+
+BACKOFF_S: Final = (0.05, 0.5)
+"""The first and the longest wait between tries of a step."""
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether an error may pass if the same step is tried again.
+
+    A lost or refused database connection, SQLite's ``database is locked`` and an unreachable
+    broker are; a constraint or a programming error is not, and neither is anything that is
+    not the database's or the broker's.
+    """
+    if isinstance(error, DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(
+        error, OperationalError | InterfaceError | ConnectionError | BrokerUnreachable
+    )
+
+
+async def retried[T](step: Callable[[], Awaitable[T]]) -> T:
+    """Run ``step``, trying it again after a transient failure, at most :data:`TRIES` times."""
+    async for attempt in AsyncRetrying(
+        stop=stop_after_attempt(TRIES),
+        wait=wait_exponential(min=BACKOFF_S[0], max=BACKOFF_S[1]),
+        retry=retry_if_exception(is_transient),
+        reraise=True,
+    ):
+        with attempt:
+            return await step()
+    raise AssertionError("unreachable: tenacity reraises the last error")  # pragma: no cover
