@@ -33,6 +33,14 @@ from tests.test_metrics import probe_worker
 
 REPO = Path(__file__).resolve().parent.parent
 
+BUSY_WAIT_S = 60.0
+"""How long a probe worker's task may take to start, on a busy host."""
+
+BUSY_MAX_AGE_S = 3
+"""The heartbeat's allowed age while the worker is busy: several of its beats (0.5 s apart)."""
+
+POLL_S = 0.1
+
 STARTUP_ALLOWANCE_S = 6.0
 """What starting Python and importing relayr may add to ``--timeout`` on a busy host."""
 
@@ -317,7 +325,7 @@ def test_a_sqlite_file_that_is_not_there_is_not_created(tmp_path: Path, redis_ur
 def test_the_embedded_broker_is_healthy_when_its_folder_is_there(tmp_path: Path) -> None:
     environment = health_environment(tmp_path)
     assert "does not exist" in health(environment).output
-    (tmp_path / "broker" / "queue").mkdir(parents=True)
+    (tmp_path / "broker" / "queues").mkdir(parents=True)
     assert health(environment).code == 0
 
 
@@ -364,13 +372,23 @@ def test_a_busy_worker_is_healthy_and_a_stopped_one_is_not(tmp_path: Path, redis
     environment = health_environment(tmp_path, broker_url=redis_url)
     beat = heartbeat_path(tmp_path, "worker")
     producer = Celery("producer", broker=redis_url)
+    gate = tmp_path / "release-slow"
     with probe_worker(redis_url, tmp_path, heartbeat=beat, concurrency=1) as worker:
-        worker.send(producer, "ops:slow", "succeeded", 8.0, 8.0)  # holds the only pool process
-        time.sleep(1.0)
-        for _ in range(3):
-            busy = health(environment, "--worker", "--max-age", "3", "--timeout", "2")
+        # holds the only pool process until the test creates the gate
+        worker.send(producer, "ops:slow", "succeeded", 8.0, 0.0, str(gate))
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while not gate.with_suffix(".started").exists():
+            assert time.monotonic() < deadline, worker.log()
+            time.sleep(POLL_S)
+        busy_since, checks = time.monotonic(), 0
+        # busy for longer than --max-age: a heartbeat that stopped while busy would be stale
+        while checks < 3 or time.monotonic() - busy_since <= BUSY_MAX_AGE_S + 1:
+            busy = health(
+                environment, "--worker", "--max-age", str(BUSY_MAX_AGE_S), "--timeout", "2"
+            )
             assert busy.code == 0, busy.output + worker.log()
-            time.sleep(1.0)
+            checks += 1
+        gate.touch()
         producer.close()
     stopped = health(environment, "--worker")
     assert stopped.code == 1

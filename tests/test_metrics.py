@@ -277,8 +277,13 @@ PROBE_WORKER = textwrap.dedent(
     app.steps["worker"].add(health.heartbeat_step(Path(heartbeat), interval_s=0.5))
 
     @app.task(name="probe.record")
-    def record(rule, outcome, duration_s, sleep_s=0.0):
+    def record(rule, outcome, duration_s, sleep_s=0.0, gate=None):
         time.sleep(sleep_s)
+        if gate is not None:  # busy until the test creates the file `gate`
+            Path(gate + ".started").touch()
+            deadline = time.monotonic() + 60
+            while not Path(gate).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         metrics.record_run(rule, outcome, duration_s)
         metrics.record_emission("notice", "posted")
         return os.getpid()
