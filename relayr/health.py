@@ -8,7 +8,7 @@ whose pool is full (or whose only process runs a long task) cannot answer it in 
   refreshes it from a timer of its own event loop (:func:`heartbeat_step`, a Celery bootstep),
   which keeps turning while pool processes run tasks and stops when the main loop hangs; the
   dispatcher refreshes it after each pass. The check reads one ``stat``.
-- **Reaches the broker**: a Redis ``PING`` (or the filesystem broker's folders exist and are
+- **Reaches the broker**: a Redis ``PING`` (or the embedded broker's queues folder exists and is
   writable); **reaches the database**: ``SELECT 1``. Each with its own timeout, run together,
   so the whole check ends within ``--timeout`` and names every failure, not the first.
 
@@ -43,6 +43,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
+from relayr.broker.layout import queues_folder
 from relayr.errors import RelayrError
 from relayr.settings import Settings
 from relayr.supervisor import read_status, status_path
@@ -176,12 +177,12 @@ def check_supervisor(home: Path, *, max_age_s: float) -> tuple[Check, dict[str, 
 
 
 async def check_broker(settings: Settings, *, timeout_s: float) -> Check:
-    """Whether the broker answers: Redis ``PING``; the filesystem broker's folders writable."""
+    """Whether the broker answers: Redis ``PING``; the embedded broker's queues folder writable."""
     url = settings.broker_url
     if url.startswith(("redis://", "rediss://")):
         return await _timed("broker", redact(url), timeout_s, lambda: _ping_redis(url, timeout_s))
     if url.startswith("filesystem://"):
-        return _check_folder(settings.broker_folder / "queue")
+        return _check_folder(queues_folder(settings.broker_folder))
     return Check("broker", True, "in-process broker: nothing to reach", 0.0)
 
 

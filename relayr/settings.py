@@ -5,9 +5,10 @@ This is the only module that reads the environment. Everything else is handed a
 and a bad value stops the process at start with the variable named, not an hour later.
 
 The embedded defaults need no server: a SQLite file under ``RELAYR_HOME`` for both libraries and
-the ledger, and Celery's ``filesystem://`` broker with its folders under ``RELAYR_HOME/broker``.
-Both lose nothing that matters on a crash: an in-flight broker message is found again by the
-dispatcher, because reflexr's store, not the broker, is the truth about a run (DESIGN contract 7).
+the ledger, and the ``filesystem://`` broker (relayr's own transport, :mod:`relayr.broker`) in
+``RELAYR_HOME/broker``. It keeps a message until a worker acknowledges it, even across a
+SIGKILL; and if a message is lost anyway, the dispatcher finds its run again, because reflexr's
+store, not the broker, is the truth about a run.
 
 Durations carry their unit in their names (``_s``: seconds) and are validated together: the
 soft time limit is below the hard one, which is below the broker's visibility timeout, because
@@ -39,8 +40,8 @@ for one process that runs the dispatcher and an in-process worker together, neve
 processes."""
 
 BROKER_SCHEMES = ("filesystem://", "redis://", "rediss://", "memory://")
-"""The brokers relayr is tested on: filesystem (the embedded default), Redis in production, and
-memory for a worker inside the same process."""
+"""The brokers relayr is tested on: filesystem (the embedded default: relayr's own transport on
+files, ADR-0013), Redis in production, and memory for a worker inside the same process."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Settings:
 
     Attributes:
         home: Where embedded state lives (``RELAYR_HOME``, default ``.relayr``): the SQLite file
-            and the filesystem broker's folders.
+            and the embedded broker's folder.
         broker_url: Celery's broker (``RELAYR_BROKER_URL``, default ``filesystem://``).
         database_url: Both libraries' and the ledger's database (``RELAYR_DATABASE_URL``,
             default a SQLite file ``<home>/relayr.db``, as an absolute path).
@@ -162,28 +163,19 @@ class Settings:
 
     @property
     def broker_folder(self) -> Path:
-        """Where the filesystem broker keeps its messages."""
+        """Where the embedded (``filesystem://``) broker keeps its messages."""
         return self.home.absolute() / "broker"
 
     def broker_transport_options(self) -> dict[str, Any]:
         """Celery's ``broker_transport_options`` for this broker.
 
-        For Redis, the visibility timeout. For the filesystem broker, its folders, created if
-        missing: producers and consumers share one folder for messages, so ``in`` and ``out``
-        are the same.
+        For Redis, the visibility timeout. For the embedded broker, its folder (the transport
+        makes its layout there when it first connects; :mod:`relayr.broker.layout`).
         """
         if self.broker_url.startswith(("redis://", "rediss://")):
             return {"visibility_timeout": self.visibility_timeout_s}
         if self.broker_url.startswith("filesystem://"):
-            folders = {
-                "data_folder_in": self.broker_folder / "queue",
-                "data_folder_out": self.broker_folder / "queue",
-                "processed_folder": self.broker_folder / "processed",
-                "control_folder": self.broker_folder / "control",
-            }
-            for folder in folders.values():
-                folder.mkdir(parents=True, exist_ok=True)
-            return {name: str(folder) for name, folder in folders.items()}
+            return {"folder": str(self.broker_folder)}
         return {}
 
 

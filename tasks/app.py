@@ -5,6 +5,9 @@ carries ids only and re-reads the run, and a duplicated, lost or redelivered mes
 loses nothing. So the settings below favour delivering again over losing, and bound the loops
 that delivering again could make:
 
+- ``broker_transport``: relayr's own transports (:mod:`relayr.broker`, ADR-0013) for the
+  embedded broker (a message is never read half-written and survives a SIGKILLed worker) and
+  for Redis; on both, a message a worker cannot use is set aside, never fatal to the worker.
 - JSON only, for tasks, results and events: a message can never carry code (no pickle).
 - ``task_acks_late``: a message is acknowledged after its task ran, so a worker that dies
   mid-run leaves it to be delivered again.
@@ -32,15 +35,11 @@ from typing import Any, Final
 
 from celery import Celery, Task
 
+from relayr import broker
 from relayr.health import heartbeat_path, heartbeat_step
 from relayr.settings import Settings
 from tasks.runs import task_names
 from tasks.worker import process
-
-FILESYSTEM_POLLING_INTERVAL_S: Final = 0.05
-"""How often the embedded (filesystem) broker's consumer looks for new message files. kombu's
-default, 1 s, would cap a worker at about one run per second per process: a process asks for
-its next message only after it acknowledged the last one."""
 
 PROC_ALIVE_TIMEOUT_S: Final = 30.0
 """How long a new pool process may take to report ready. Its runtime starts in the background,
@@ -61,25 +60,21 @@ _current: Celery | None = None
 
 
 def transport_options(settings: Settings) -> dict[str, Any]:
-    """The broker's transport options: the settings' own, plus a fast poll for the filesystem."""
-    options = settings.broker_transport_options()
-    if settings.broker_url.startswith("filesystem://"):
-        options.setdefault("polling_interval", FILESYSTEM_POLLING_INTERVAL_S)
-    return options
+    """The broker's transport options (:func:`relayr.broker.transport_options`)."""
+    return broker.transport_options(settings)
 
 
 def broker_url(settings: Settings) -> str:
-    """The broker's URL; the embedded one gets a host name, or kombu warns on every connection
-    that it has none (the filesystem transport ignores it)."""
-    if settings.broker_url == "filesystem://":
-        return "filesystem://localhost/"
-    return settings.broker_url
+    """The broker's URL for kombu (:func:`relayr.broker.url`)."""
+    return broker.url(settings)
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery's configuration for ``settings`` (see the module docstring for the why)."""
     return {
         "broker_url": broker_url(settings),
+        # relayr's transports for the embedded broker and Redis (ADR-0013)
+        "broker_transport": broker.transport(settings),
         "broker_transport_options": transport_options(settings),
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",

@@ -155,20 +155,11 @@ def test_redis_transport_options_carry_the_visibility_timeout() -> None:
     assert settings.broker_transport_options() == {"visibility_timeout": 900}
 
 
-def test_filesystem_transport_options_create_the_folders(tmp_path: Path) -> None:
+def test_the_embedded_broker_s_options_name_its_folder_in_the_home(tmp_path: Path) -> None:
     settings = Settings.from_env({"RELAYR_HOME": str(tmp_path / "home")})
 
-    options = settings.broker_transport_options()
-
-    broker = tmp_path / "home" / "broker"
-    assert options == {
-        "data_folder_in": str(broker / "queue"),
-        "data_folder_out": str(broker / "queue"),
-        "processed_folder": str(broker / "processed"),
-        "control_folder": str(broker / "control"),
-    }
-    assert all(Path(folder).is_dir() for folder in options.values())
-    assert settings.broker_transport_options() == options  # again: the folders exist
+    # the transport makes its layout there when it first connects (relayr.broker.layout)
+    assert settings.broker_transport_options() == {"folder": str(tmp_path / "home" / "broker")}
 
 
 def test_memory_transport_needs_no_options() -> None:

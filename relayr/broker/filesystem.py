@@ -1,0 +1,654 @@
+"""relayr's embedded broker: a kombu transport on files that survives load and SIGKILL.
+
+The guarantees (the folders are in :mod:`relayr.broker.layout`):
+
+- **A consumer never reads a half-written message.** A publisher writes the message under
+  ``incoming/`` and renames it into its queue's folder; a rename is atomic, so a message file
+  in a queue folder is complete. (kombu's own filesystem transport creates the file in the
+  queue folder and then writes it: a consumer listing the folder in between read an empty file,
+  and Celery exited on the decode error.)
+- **A message is kept until it is acknowledged.** A consumer takes a message by renaming it
+  into a folder of its own (a rename that fails means another consumer took it first); ack
+  deletes it there; reject with requeue, a warm shutdown's restore (kombu's ``QoS``) and a
+  channel's close move it back to its queue. A consumer holds an ``flock`` on its lock file as
+  long as it lives; any consumer that can take that lock knows the owner is dead and moves the
+  owner's messages back (when it starts, then every :data:`RECOVER_EVERY_S`). So a SIGKILLed
+  worker's messages wait at most :data:`RECOVER_EVERY_S` plus one poll, while any consumer of
+  the same broker folder runs, or else until the next one starts.
+- **A file that is not a kombu message is set aside**, never raised into Celery
+  (:mod:`relayr.broker.dead_letters`); so is a message its consumer raised on or rejected.
+- **FIFO by enqueue time**, and a listing serves many messages: a consumer lists its queue's
+  folder once, keeps the :data:`CANDIDATES_PER_LISTING` oldest names and takes them in order,
+  and lists again when they are used up (kombu's lists the folder for every message: a backlog
+  of N costs O(N) per message).
+- **Fast enough to keep a worker busy**: an empty queue is polled every
+  :data:`POLLING_INTERVAL_S`, and a consumer held back by its prefetch limit wakes as soon as it
+  acknowledges a message, not at the next poll.
+
+Bindings (which queues an exchange routes to) are kombu's filesystem transport's own files in
+``exchanges/``, which every process reads, so Celery's remote control (a fanout exchange) and
+task events work across processes as they did. The folder must be on a local filesystem
+(``flock`` and atomic ``rename`` are what the guarantees rest on). See ADR-0013.
+"""
+
+import fcntl
+import heapq
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from contextlib import suppress
+from itertools import count
+from pathlib import Path
+from queue import Empty
+from time import monotonic
+from typing import Any, Final
+
+import structlog
+from kombu.exceptions import ChannelError
+from kombu.transport import filesystem, virtual
+from kombu.utils import json as kombu_json
+
+from relayr.broker import layout
+from relayr.broker.dead_letters import SetAsideOnError, decode, log_set_aside
+
+logger = structlog.get_logger("relayr.broker")
+
+POLLING_INTERVAL_S: Final = 0.05
+"""How long a consumer waits before it looks at an empty queue again: the longest a new
+message waits for an idle worker. kombu's default, 1 s, would cap a worker at about one message
+a second per process once its queue runs dry between messages."""
+
+CANDIDATES_PER_LISTING: Final = 512
+"""How many of the oldest names one listing of a queue folder yields before the next listing:
+a listing costs O(backlog), so this many messages share it. Messages that come back to the
+queue meanwhile (older names) wait for the next listing."""
+
+RECOVER_EVERY_S: Final = 1.0
+"""How often a consumer looks for dead consumers' messages: the bound on how long a SIGKILLed
+consumer's messages stay out of their queue while another consumer runs. A look is one listing
+of ``consumers/`` and one non-blocking ``flock`` per consumer."""
+
+STALE_INCOMING_S: Final = 600.0
+"""A file in ``incoming/`` this old belongs to a publisher that died between writing and
+renaming (which takes microseconds): it is removed."""
+
+STALE_STAGING_S: Final = 60.0
+"""A consumer's lock file still under its staging name this long after it was made belongs to
+a consumer that died while starting: it is removed."""
+
+_OPEN_FLAGS: Final = os.O_CLOEXEC | os.O_NOFOLLOW
+
+# kombu's annotations are partial: its classes and functions are used untyped, as Any
+KombuQoS: Any = virtual.QoS
+KombuChannel: Any = filesystem.Channel
+KombuTransport: Any = filesystem.Transport
+BrokerState: Any = virtual.BrokerState
+dumps: Any = kombu_json.dumps
+
+
+class Holder:
+    """One consumer's folder, with the ``flock`` that says its owner is alive.
+
+    The lock file is created and locked under a staging name, then renamed, so a lock file
+    anyone can see is already locked; the folder is made after it and removed before it, so a
+    folder without a lock file is never a living consumer's.
+    """
+
+    def __init__(self, root: Path) -> None:
+        consumers = root / layout.CONSUMERS
+        for _ in range(3):
+            consumer_id = f"{os.getpid():x}-{os.urandom(6).hex()}"
+            staging = consumers / f"{layout.STAGING_PREFIX}{consumer_id}{layout.LOCK_SUFFIX}"
+            fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.rename(staging, consumers / f"{consumer_id}{layout.LOCK_SUFFIX}")
+            except OSError:  # a sweep took the staged file: try another id
+                os.close(fd)
+                continue
+            break
+        else:
+            raise ChannelError(f"cannot register a consumer in {consumers}")
+        self.id = consumer_id
+        self.folder = consumers / consumer_id
+        self.folder.mkdir()
+        self.fd: int | None = fd
+        self.pid = os.getpid()
+        self._made: set[str] = set()
+        _holders.add(self)
+
+    @property
+    def mine(self) -> bool:
+        """Whether this process owns the folder (a forked child holds a copy that it does not)."""
+        return self.fd is not None and self.pid == os.getpid()
+
+    def held_folder(self, queue_folder: str) -> Path:
+        """Where this consumer keeps the messages it took from the queue stored in
+        ``queue_folder``."""
+        folder = self.folder / queue_folder
+        if queue_folder not in self._made:
+            folder.mkdir(exist_ok=True)
+            self._made.add(queue_folder)
+        return folder
+
+    def forget(self, queue_folder: str) -> None:
+        self._made.discard(queue_folder)
+
+    def release(self, root: Path) -> None:
+        """Move back what is left, remove the folder, then the lock file, then unlock."""
+        if not self.mine:
+            return
+        restore_folder(root, self.folder)
+        with suppress(OSError):
+            self.folder.rmdir()
+        with suppress(FileNotFoundError):
+            os.unlink(self.folder.with_name(self.id + layout.LOCK_SUFFIX))
+        self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            with suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+
+_holders: "weakref.WeakSet[Holder]" = weakref.WeakSet()
+
+
+def _forget_inherited_locks() -> None:
+    """In a forked child: close the copies of the parent's lock descriptors, so the locks end
+    when the parent dies (an ``flock`` lasts while any copy of its descriptor is open) and the
+    child never acts as their owner."""
+    for holder in list(_holders):
+        if holder.pid != os.getpid():
+            holder.close()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_locks)
+
+
+def own_consumer_ids() -> set[str]:
+    """The consumers this process runs: never checked (or restored) as dead ones."""
+    return {holder.id for holder in list(_holders) if holder.mine}
+
+
+def move_back(root: Path, source: Path, queue_folder: str) -> bool:
+    """Move a taken message back into its queue, as redelivered; False if it is gone."""
+    target_folder = root / layout.QUEUES / queue_folder
+    target = target_folder / layout.redelivered_name(source.name)
+    try:
+        os.rename(source, target)
+    except FileNotFoundError:
+        if not source.exists():
+            return False  # another consumer moved it first
+        target_folder.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(source, target)
+        except FileNotFoundError:
+            return False
+    return True
+
+
+def restore_folder(root: Path, folder: Path) -> int:
+    """Move every message in a consumer's ``folder`` back to its queue; how many moved."""
+    moved = 0
+    try:
+        queue_folders = os.listdir(folder)
+    except FileNotFoundError:
+        return 0
+    for queue_folder in queue_folders:
+        held = folder / queue_folder
+        try:
+            names = os.listdir(held)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in sorted(names):
+            moved += move_back(root, held / name, queue_folder)
+        with suppress(OSError):
+            held.rmdir()
+    return moved
+
+
+def recover_dead_consumers(root: Path) -> int:
+    """Give the messages of every dead consumer back to their queues; how many moved.
+
+    A consumer is dead when its lock file's ``flock`` can be taken. Several consumers may look
+    at once: each message is moved by one rename, so by exactly one of them.
+    """
+    consumers = root / layout.CONSUMERS
+    try:
+        names = os.listdir(consumers)
+    except FileNotFoundError:
+        return 0
+    own = own_consumer_ids()
+    moved = 0
+    for name in names:
+        if name.startswith(layout.STAGING_PREFIX):
+            _remove_stale(consumers / name, STALE_STAGING_S)
+        elif name.endswith(layout.LOCK_SUFFIX):
+            consumer_id = name.removesuffix(layout.LOCK_SUFFIX)
+            if consumer_id not in own:
+                moved += _recover_consumer(root, consumer_id)
+        elif name not in own and not (consumers / (name + layout.LOCK_SUFFIX)).exists():
+            # a folder is made after its lock file and removed before it: without one, its
+            # owner and whoever began to restore it are both gone
+            moved += _restore_and_remove(root, consumers / name, name)
+    incoming = root / layout.INCOMING
+    with suppress(FileNotFoundError):
+        for name in os.listdir(incoming):
+            _remove_stale(incoming / name, STALE_INCOMING_S, lock=False)
+    return moved
+
+
+def _recover_consumer(root: Path, consumer_id: str) -> int:
+    lock = root / layout.CONSUMERS / (consumer_id + layout.LOCK_SUFFIX)
+    try:
+        fd = os.open(lock, os.O_RDWR | _OPEN_FLAGS)
+    except FileNotFoundError:
+        return 0
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0  # alive
+        moved = _restore_and_remove(root, root / layout.CONSUMERS / consumer_id, consumer_id)
+        if not (root / layout.CONSUMERS / consumer_id).exists():
+            with suppress(FileNotFoundError):
+                os.unlink(lock)
+        return moved
+    finally:
+        os.close(fd)
+
+
+def _restore_and_remove(root: Path, folder: Path, consumer_id: str) -> int:
+    moved = restore_folder(root, folder)
+    with suppress(FileNotFoundError):
+        try:
+            folder.rmdir()
+        except OSError as error:
+            logger.warning(
+                "a dead consumer's folder could not be removed", path=str(folder), error=str(error)
+            )
+    if moved:
+        logger.warning(
+            "messages of a dead consumer went back to their queues",
+            consumer=consumer_id,
+            messages=moved,
+            folder=str(folder),
+        )
+    return moved
+
+
+def _remove_stale(path: Path, age_s: float, *, lock: bool = True) -> None:
+    try:
+        if os.path.getmtime(path) > time.time() - age_s:
+            return
+        if not lock:
+            os.unlink(path)
+            return
+        fd = os.open(path, os.O_RDWR | _OPEN_FLAGS)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class QoS(KombuQoS):  # type: ignore[misc]  # kombu, used untyped
+    """kombu's QoS, settling the message's file: ack deletes it, reject sets it aside,
+    requeue and restore (kombu's) move it back to its queue."""
+
+    def ack(self, delivery_tag: str) -> None:
+        self.channel.settle(delivery_tag)
+        super().ack(delivery_tag)
+        self.channel.wake()
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if not requeue:
+            self.channel.settle(delivery_tag, set_aside="rejected by its consumer")
+        super().reject(delivery_tag, requeue=requeue)
+        self.channel.wake()
+
+
+class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, used untyped
+    """A channel of :class:`Transport` (see the module docstring).
+
+    Transport options: ``folder`` (required: the broker's folder), ``fsync`` (default False:
+    flush each message and its queue folder to disk before the publish returns, for a message
+    that must outlive a power cut; relayr's need not, reflexr's store is the truth about a run).
+    """
+
+    QoS = QoS
+
+    def __init__(self, connection: Any, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        options = self.connection.client.transport_options
+        folder = options.get("folder")
+        if not folder:
+            raise ChannelError("relayr's filesystem transport needs transport_options['folder']")
+        self.root = Path(folder).absolute()
+        for name in layout.FOLDERS:
+            (self.root / name).mkdir(parents=True, exist_ok=True)
+        self.fsync = bool(options.get("fsync", False))
+        self._holder: Holder | None = None
+        self._held: dict[str, tuple[str, str]] = {}
+        self._candidates: dict[str, deque[str]] = {}
+        self._no_ack: set[str] = set()
+        self._tags = count(1)
+
+    @property
+    def control_folder(self) -> Path:
+        """kombu's bindings files (read by kombu's filesystem channel)."""
+        return self.root / layout.EXCHANGES
+
+    # ─── publishing ──────────────────────────────────────────────────────────
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        """Write the message under ``incoming/``, then rename it into its queue's folder."""
+        name = layout.message_name()
+        staged = self.root / layout.INCOMING / name
+        target_folder = layout.queue_path(self.root, queue)
+        try:
+            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+            try:
+                _write_all(fd, dumps(message).encode("utf-8"))
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.rename(staged, target_folder / name)
+            except FileNotFoundError:
+                target_folder.mkdir(parents=True, exist_ok=True)
+                os.rename(staged, target_folder / name)
+            if self.fsync:
+                _fsync_folder(target_folder)
+        except OSError as error:
+            with suppress(OSError):
+                os.unlink(staged)
+            raise ChannelError(f"cannot publish to queue {queue!r}: {error}") from error
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        # kombu creates a bindings file by truncating it, then writing: a reader in between
+        # would read nothing. Create it whole first; kombu then only updates it under its lock.
+        table = self._exchange_file(exchange)
+        if not table.exists():
+            staged = self.root / layout.INCOMING / f".{layout.message_name()}.exchange"
+            staged.write_bytes(b"[]")
+            try:
+                os.link(staged, table)
+            except FileExistsError:
+                pass
+            finally:
+                staged.unlink()
+        super()._queue_bind(exchange, routing_key, pattern, queue)
+
+    # ─── consuming ───────────────────────────────────────────────────────────
+
+    def _get(self, queue: str) -> dict[str, Any]:
+        """Take the oldest message of ``queue`` that no other consumer takes first."""
+        holder = self._holder_here()
+        queue_folder = layout.queue_folder_name(queue)
+        source_folder = self.root / layout.QUEUES / queue_folder
+        candidates = self._candidates.setdefault(queue, deque())
+        listed = False
+        while True:
+            if not candidates:
+                if listed:
+                    raise Empty()
+                listed = True
+                try:
+                    names = os.listdir(source_folder)
+                except FileNotFoundError:
+                    raise Empty() from None
+                candidates.extend(
+                    heapq.nsmallest(
+                        CANDIDATES_PER_LISTING, (n for n in names if layout.is_message(n))
+                    )
+                )
+                continue
+            name = candidates.popleft()
+            held_folder = holder.held_folder(queue_folder)
+            held = held_folder / name
+            try:
+                os.rename(source_folder / name, held)
+            except FileNotFoundError:
+                if not held_folder.is_dir():  # removed under us: make it again, try again
+                    holder.forget(queue_folder)
+                    candidates.appendleft(name)
+                continue  # another consumer took it
+            payload = self._read_taken(queue, held)
+            if payload is None:
+                continue
+            if queue in self._no_ack:
+                with suppress(FileNotFoundError):
+                    os.unlink(held)
+            else:
+                tag = f"{holder.id}.{next(self._tags)}"
+                payload["properties"]["delivery_tag"] = tag
+                self._held[tag] = (queue, name)
+            if layout.is_redelivered(name):
+                payload["properties"]["delivery_info"]["redelivered"] = True
+            return payload
+
+    def _read_taken(self, queue: str, held: Path) -> dict[str, Any] | None:
+        try:
+            raw = held.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            self._set_aside_file(queue, held, f"cannot be read: {error}")
+            return None
+        payload, problem = decode(raw, self)
+        if problem is not None:
+            self._set_aside_file(queue, held, problem)
+            return None
+        return payload
+
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
+        if no_ack:
+            self._no_ack.add(queue)
+        else:
+            self._no_ack.discard(queue)
+        self._holder_here()
+        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._no_ack.discard(queue)
+        return result
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(queue, no_ack=no_ack, **kwargs)
+        if message is not None and no_ack:
+            self.settle(message.delivery_tag)
+        return message
+
+    def _holder_here(self) -> Holder:
+        """This channel's consumer folder, made (after a look for dead consumers) when first
+        needed."""
+        if self._holder is None or not self._holder.mine:
+            self._holder = Holder(self.root)
+            self.recover()
+        return self._holder
+
+    # ─── settling ────────────────────────────────────────────────────────────
+
+    def settle(self, delivery_tag: str, *, set_aside: str | None = None) -> None:
+        """The message is done with: delete its file, or set it aside with the problem given."""
+        entry = self._held.pop(delivery_tag, None)
+        holder = self._holder
+        if entry is None or holder is None or not holder.mine:
+            return
+        queue, name = entry
+        held = holder.folder / layout.queue_folder_name(queue) / name
+        if set_aside is None:
+            with suppress(FileNotFoundError):
+                os.unlink(held)
+        else:
+            self._set_aside_file(queue, held, set_aside)
+
+    def _restore(self, message: Any) -> None:
+        """Move a taken message back to its queue (kombu's requeue and restore call this)."""
+        entry = self._held.pop(message.delivery_tag, None)
+        holder = self._holder
+        if entry is None or holder is None or not holder.mine:
+            return  # acknowledged, restored already, or a forked copy of another's
+        queue, name = entry
+        queue_folder = layout.queue_folder_name(queue)
+        move_back(self.root, holder.folder / queue_folder / name, queue_folder)
+        self._candidates.clear()  # the restored message is older than any listed
+
+    def set_aside(self, message: Any, queue: str, problem: str) -> None:
+        """Dead-letter a delivered message its consumer raised on (see ``SetAsideOnError``)."""
+        if message.delivery_tag in self._held:
+            self.settle(message.delivery_tag, set_aside=problem)
+            self.qos.ack(message.delivery_tag)
+        else:
+            log_set_aside("", queue, problem)
+
+    def _set_aside_file(self, queue: str, source: Path, problem: str) -> None:
+        folder = layout.dead_path(self.root, queue)
+        target = folder / source.name
+        try:
+            try:
+                os.rename(source, target)
+            except FileNotFoundError:
+                folder.mkdir(parents=True, exist_ok=True)
+                os.rename(source, target)
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            problem = f"{problem}; it could not be moved ({error}), so it was deleted"
+            target = source
+            with suppress(OSError):
+                os.unlink(source)
+        log_set_aside(str(target), queue, problem)
+
+    def recover(self) -> None:
+        """Give dead consumers' messages back to their queues (see the module docstring)."""
+        if recover_dead_consumers(self.root):
+            for channel in list(self.connection.channels if self.connection else ()):
+                if isinstance(channel, Channel):
+                    channel._candidates.clear()
+
+    def wake(self) -> None:
+        """Wake the transport's wait: a settled message may let this consumer take another."""
+        transport = self.connection
+        if transport is not None:
+            transport.wake()
+
+    # ─── queues ──────────────────────────────────────────────────────────────
+
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        layout.queue_path(self.root, queue).mkdir(parents=True, exist_ok=True)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return layout.queue_path(self.root, queue).is_dir()
+
+    def _size(self, queue: str) -> int:
+        return layout.count_messages(layout.queue_path(self.root, queue))
+
+    def _purge(self, queue: str) -> int:
+        folder = layout.queue_path(self.root, queue)
+        purged = 0
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            return 0
+        for name in names:
+            if layout.is_message(name):
+                with suppress(FileNotFoundError):
+                    os.unlink(folder / name)
+                    purged += 1
+        self._candidates.pop(queue, None)
+        return purged
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        super()._delete(queue, *args, **kwargs)
+        with suppress(OSError):
+            layout.queue_path(self.root, queue).rmdir()
+
+    def close(self) -> None:
+        was_open = not self.closed
+        super().close()  # cancels the consumers; kombu's QoS restores what is unacknowledged
+        if was_open and self._holder is not None:
+            self._held.clear()
+            self._holder.release(self.root)
+            self._holder = None
+
+
+class Transport(KombuTransport):  # type: ignore[misc]  # kombu, used untyped
+    """relayr's embedded transport: ``transport_options={"folder": ...}`` (see :class:`Channel`)."""
+
+    Channel = Channel
+    global_state = BrokerState()
+    polling_interval = POLLING_INTERVAL_S
+    driver_type = "filesystem"
+    driver_name = "relayr-filesystem"
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self._woken = threading.Event()
+        self._next_recovery = monotonic() + RECOVER_EVERY_S
+
+    def wake(self) -> None:
+        self._woken.set()
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        """Deliver one message; between empty looks, wait one poll or until a message is
+        settled (which may lift the prefetch limit), and look for dead consumers now and then.
+
+        Raises:
+            socket.timeout: When ``timeout`` passed without a message.
+        """
+        started = monotonic()
+        while True:
+            self._woken.clear()
+            try:
+                self.cycle.get(self._deliver, timeout=timeout)
+                return
+            except Empty:
+                pass
+            now = monotonic()
+            if now >= self._next_recovery:
+                self._next_recovery = now + RECOVER_EVERY_S
+                self._recover()
+            wait_s = self.polling_interval
+            if timeout is not None:
+                left_s = timeout - (now - started)
+                if left_s <= 0:
+                    raise TimeoutError()
+                wait_s = min(wait_s, left_s)
+            self._woken.wait(wait_s)
+
+    def _recover(self) -> None:
+        for channel in list(self.channels):
+            if isinstance(channel, Channel) and channel._holder is not None:
+                channel.recover()
+                return

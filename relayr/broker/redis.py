@@ -1,0 +1,119 @@
+"""kombu's Redis transport, with a consumer that sets aside an entry it cannot use.
+
+kombu decodes what ``BRPOP`` returns with ``json.loads`` and builds its ``Message`` from it,
+outside anything Celery guards: one entry in a queue's list that is not JSON, or JSON that is
+not a kombu message, stops a worker (an unhashable task name, say) or makes it reconnect and
+drop the entry (a missing key). Measured on kombu 5.7 with a real worker; see
+tests/test_broker_worker.py.
+
+Here the channel's ``BRPOP`` replies are screened through redis-py's response callback (its
+public hook for a command's reply) before kombu sees them: an entry that does not decode to a
+kombu message is pushed, byte for byte, onto the list ``<queue>.dead`` next to its queue, one
+``broker message set aside`` line names the list and the problem, and the consumer goes on (to
+kombu the reply looks like a ``BRPOP`` that timed out). A message the consumer's callback
+raised on, or rejected without requeue, goes to the same list (as kombu's JSON of it).
+
+What is not covered: fanout (pub/sub) messages, which kombu already drops with a warning when
+they are not JSON, and ``rediss://``, which keeps kombu's transport (see :mod:`relayr.broker`).
+"""
+
+from typing import Any, Final
+
+from kombu.transport import redis as kombu_redis
+from kombu.utils import encoding, json
+
+from relayr.broker.dead_letters import SetAsideOnError, decode, log_set_aside
+
+DEAD_LETTER_SUFFIX: Final = ".dead"
+"""A queue's dead letters are the list named after it with this suffix: next to it in any
+listing of keys, and never a queue relayr consumes (``RELAYR_QUEUE`` names its queue)."""
+
+
+# kombu's annotations are partial: its classes and functions are used untyped, as Any
+KombuQoS: Any = kombu_redis.QoS
+KombuChannel: Any = kombu_redis.Channel
+KombuTransport: Any = kombu_redis.Transport
+bytes_to_str: Any = encoding.bytes_to_str
+dumps: Any = json.dumps
+
+
+def dead_letter_list(queue: str) -> str:
+    return queue + DEAD_LETTER_SUFFIX
+
+
+class QoS(KombuQoS):  # type: ignore[misc]  # kombu, used untyped
+    """kombu's Redis QoS; a message rejected without requeue is set aside, not dropped."""
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if not requeue:
+            try:
+                message = self.get(delivery_tag)
+            except KeyError:
+                message = None
+            if message is not None:
+                queue = (message.delivery_info or {}).get("routing_key") or ""
+                self.channel.push_dead_letter(
+                    queue, dumps(message.serializable()), "rejected by its consumer"
+                )
+        super().reject(delivery_tag, requeue=requeue)
+
+
+class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, used untyped
+    """kombu's Redis channel whose ``BRPOP`` replies are screened (see the module docstring)."""
+
+    QoS = QoS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._screened: list[tuple[str, bytes, str]] = []
+        super().__init__(*args, **kwargs)
+
+    def _create_client(self, asynchronous: bool = False) -> Any:
+        client = super()._create_client(asynchronous)
+        if asynchronous:  # the client kombu sends BRPOP on
+            client.set_response_callback("BRPOP", self._screen_brpop)
+        return client
+
+    def _screen_brpop(self, response: Any, **options: Any) -> tuple[Any, Any] | None:
+        """redis-py's callback for a ``BRPOP`` reply: the reply, or None (no message) for an
+        entry that is not a kombu message, kept to be set aside once the read is over."""
+        if not response:
+            return None
+        key, item = response
+        _, problem = decode(item if isinstance(item, bytes) else str(item).encode(), self)
+        if problem is None:
+            return (key, item)
+        queue = bytes_to_str(key).rsplit(self.sep, 1)[0]
+        self._screened.append((queue, item, problem))
+        return None
+
+    def _brpop_read(self, **options: Any) -> Any:
+        try:
+            return super()._brpop_read(**options)
+        finally:
+            while self._screened:
+                queue, item, problem = self._screened.pop(0)
+                self.push_dead_letter(queue, item, problem)
+
+    def push_dead_letter(self, queue: str, entry: bytes | str, problem: str) -> None:
+        """Push ``entry`` onto ``queue``'s dead letters, with its one log line."""
+        target = dead_letter_list(queue)
+        try:
+            with self.conn_or_acquire() as client:
+                client.lpush(target, entry)
+        except Exception as error:  # the line still names the entry's problem, and this one
+            problem = f"{problem}; pushing it onto {target} failed, so it was dropped: {error}"
+        log_set_aside(f"redis list {target}", queue, problem)
+
+    def set_aside(self, message: Any, queue: str, problem: str) -> None:
+        """Dead-letter a delivered message its consumer raised on (see ``SetAsideOnError``)."""
+        if message.acknowledged:
+            log_set_aside("", queue, problem)
+            return
+        self.push_dead_letter(queue, dumps(message.serializable()), problem)
+        self.qos.ack(message.delivery_tag)
+
+
+class Transport(KombuTransport):  # type: ignore[misc]  # kombu, used untyped
+    """kombu's Redis transport with :class:`Channel`."""
+
+    Channel = Channel
