@@ -224,6 +224,11 @@ def recover_dead_consumers(root: Path) -> int:
         return 0
     own = own_consumer_ids()
     moved = 0
+    locked = {
+        name.removesuffix(layout.LOCK_SUFFIX)
+        for name in names
+        if name.endswith(layout.LOCK_SUFFIX) and not name.startswith(layout.STAGING_PREFIX)
+    }
     for name in names:
         if name.startswith(layout.STAGING_PREFIX):
             _remove_stale(consumers / name, STALE_STAGING_S)
@@ -231,7 +236,11 @@ def recover_dead_consumers(root: Path) -> int:
             consumer_id = name.removesuffix(layout.LOCK_SUFFIX)
             if consumer_id not in own:
                 moved += _recover_consumer(root, consumer_id)
-        elif name not in own and not (consumers / (name + layout.LOCK_SUFFIX)).exists():
+        elif (
+            name not in own
+            and name not in locked
+            and not (consumers / (name + layout.LOCK_SUFFIX)).exists()
+        ):
             # a folder is made after its lock file and removed before it: without one, its
             # owner and whoever began to restore it are both gone
             moved += _restore_and_remove(root, consumers / name, name)
@@ -264,13 +273,14 @@ def _recover_consumer(root: Path, consumer_id: str) -> int:
 
 def _restore_and_remove(root: Path, folder: Path, consumer_id: str) -> int:
     moved = restore_folder(root, folder)
-    with suppress(FileNotFoundError):
-        try:
-            folder.rmdir()
-        except OSError as error:
-            logger.warning(
-                "a dead consumer's folder could not be removed", path=str(folder), error=str(error)
-            )
+    try:
+        folder.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        logger.warning(
+            "a dead consumer's folder could not be removed", path=str(folder), error=str(error)
+        )
     if moved:
         logger.warning(
             "messages of a dead consumer went back to their queues",
