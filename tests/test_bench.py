@@ -23,6 +23,7 @@ COMMANDS = {
     "floor": ("bench.floor", "--n", "5", "--storage", "sqlite"),
     "transactions": ("bench.transactions", "--n", "4", "--storage", "sqlite"),
     "memory": ("bench.memory", "--first", "2", "--total", "5", "--storage", "sqlite"),
+    "broker": ("bench.broker", "--n", "20"),
 }
 """Each benchmark at a tiny N. They run at once (each case has its own home, queue and
 SQLite file), so the module takes about as long as the slowest one."""
@@ -102,3 +103,19 @@ def test_memory_prints_peak_rss_after_each_round(printed: dict[str, list[dict[st
     assert figures["after_2"]["VmHWM"] > 0
     assert figures["after_5"]["VmHWM"] >= figures["after_2"]["VmHWM"]
     assert figures["runs_succeeded"] == 5
+
+
+def test_broker_prints_messages_per_second_for_each_transport(
+    printed: dict[str, list[dict[str, Any]]],
+) -> None:
+    lines = printed["broker"]
+    assert [figures["transport"] for figures in lines] == [
+        "kombu-filesystem",
+        "relayr-filesystem",
+        "relayr-filesystem-fsync",
+    ]
+    for figures in lines:
+        assert figures["consumed"] == figures["n"] == 20
+        assert figures["publish_per_s"] > 0
+        assert figures["consume_per_s"] > 0
+        assert len(figures["machine"]["load_avg"]) == 3

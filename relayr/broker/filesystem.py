@@ -635,7 +635,7 @@ class Transport(KombuTransport):  # type: ignore[misc]  # kombu, used untyped
         settled (which may lift the prefetch limit), and look for dead consumers now and then.
 
         Raises:
-            socket.timeout: When ``timeout`` passed without a message.
+            TimeoutError: When ``timeout`` passed without a message (``socket.timeout``).
         """
         started = monotonic()
         while True:
