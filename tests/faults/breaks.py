@@ -33,8 +33,11 @@ FIRST_SHARE: Final = 0.3
 """The part of the load that runs before a one-off fault: the fault strikes mid-load."""
 
 HELD_SHARE: Final = 0.4
-"""The part of the load published with a one-off fault's holds: its runs take them, and the
-rest of it waits in the queue while the fault strikes."""
+"""The part of the load published with a one-off fault's holds: its runs take them."""
+
+QUEUED_SHARE: Final = 0.15
+"""The part of the load published while every pool process holds a run, or while the broker
+is down: it waits in the queue, or in the store, while the fault strikes."""
 
 WARM_SHUTDOWN_LINE: Final = "worker: Warm shutdown (MainProcess)"
 """What Celery's worker prints when a SIGTERM starts its warm shutdown."""
@@ -58,6 +61,18 @@ def _in_pool(worker: WorkerProcess, held: list[Held]) -> list[int]:
     for run in held:
         assert run.pid in pool, f"held run {run.run_id} runs in {run.pid}, not in pool {pool}"
     return pool
+
+
+async def _queue_behind(load: Load) -> None:
+    """Publish a part while every pool process holds a run, and wait until the dispatcher
+    handed it to the broker: it waits in the queue (the workers reserve no more messages than
+    they run) while the fault strikes."""
+    await load.publish(QUEUED_SHARE)
+    await _until(
+        lambda: len(load.handed.runs) >= load.published_runs,
+        "every published run handed to the broker",
+        RUNS_WAIT_S,
+    )
 
 
 def kill_pool_processes(kills: int, *, seed: int, concurrency: int = 2) -> Fault:
@@ -105,8 +120,8 @@ async def _pool_replaced(worker: WorkerProcess, size: int) -> float:
 
 def kill_worker() -> Fault:
     """SIGKILL the first worker's main process while both its pool processes hold a run (one
-    before its write, one after), with the rest of their part queued; its pool processes die
-    with it (Celery sets their parent-death signal), and a new worker finishes the load."""
+    before its write, one after) and more runs wait in the queue; its pool processes die with
+    it (Celery sets their parent-death signal), and a new worker finishes the load."""
 
     async def fault(load: Load) -> None:
         old = load.workers[0]
@@ -116,6 +131,7 @@ def kill_worker() -> Fault:
             ("worker-kill-before", BEFORE), ("worker-kill-after", AFTER), share=HELD_SHARE
         )
         _in_pool(old, held)
+        await _queue_behind(load)
         load.figures["runs_running_at_kill"] = len({run.pid for run in held})
         os.kill(old.process.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -151,28 +167,25 @@ async def _held_over(load: Load, held: list[Held]) -> list[str]:
 
 
 def restart_redis(server: PrivateRedis) -> Fault:
-    """SIGKILL Redis while both pool processes hold a run and the rest of their part is
-    queued in it; keep it down until the dispatcher failed to hand it a run (a part is
-    published meanwhile) and the held attempts are over (finished once released, or stopped
-    by their worker); then start it again on its AOF."""
+    """SIGKILL Redis while both pool processes hold a run and a part published after they
+    took their holds is queued in it (no process is free to take it); keep it down until the
+    dispatcher failed to hand it a run (a part is published meanwhile) and the held attempts
+    are over (finished once released, or stopped by their worker); then start it again on its
+    AOF."""
 
     async def fault(load: Load) -> None:
         await load.publish(FIRST_SHARE)
         await load.wait_published_ended()
         held = await load.hold(("redis-before", BEFORE), ("redis-after", AFTER), share=HELD_SHARE)
         _in_pool(load.workers[0], held)
-        await _until(
-            lambda: len(load.handed.runs) >= load.published_runs,
-            "every published run handed to the broker",
-            RUNS_WAIT_S,
-        )
+        await _queue_behind(load)
         load.figures["runs_running_at_kill"] = len(held)
         load.figures["messages_queued_at_kill"] = server.queued(load.settings.queue)
         failures = load.handed.failures
         server.kill()
         killed = time.monotonic()
         load.count("kills")
-        await load.publish(FIRST_SHARE / 2)
+        await load.publish(QUEUED_SHARE)
         await _until(
             lambda: load.handed.failures > failures,
             "the dispatcher failing to hand a run to the stopped Redis",
@@ -269,8 +282,8 @@ async def _refused(load: Load, run_id: str) -> bool:
 
 def terminate_worker() -> Fault:
     """SIGTERM the first worker (a warm shutdown) while both its pool processes hold a run (one
-    before its write, one after); once its shutdown began, release them: both attempts must
-    finish. Then start a new worker to finish the load."""
+    before its write, one after) and more runs wait in the queue; once its shutdown began,
+    release them: both attempts must finish. Then start a new worker to finish the load."""
 
     async def fault(load: Load) -> None:
         old = load.workers[0]
@@ -280,6 +293,7 @@ def terminate_worker() -> Fault:
             ("sigterm-before", BEFORE), ("sigterm-after", AFTER), share=HELD_SHARE
         )
         _in_pool(old, held)
+        await _queue_behind(load)
         load.attempts_at_fault = {run.run_id: run.epoch for run in held}
         load.figures["runs_running_at_sigterm"] = len(held)
         old.signal(signal.SIGTERM)

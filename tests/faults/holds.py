@@ -16,6 +16,8 @@ releases the run.
   one action only: taking it is a rename, which succeeds once.
 - A run is held at most once, whatever its attempts: a run held and killed is not held (and
   killed) again on its next attempt, so no hold can push a run to the worker-lost bound.
+- A process holds at most one run at a time (a message names several runs, whose actions run
+  at once in one process): holds asked for together are taken in different processes.
 - An action stays held at most :data:`~tests.faults.constants.HOLD_MAX_S`, and one that stopped
   waiting says so (:meth:`Holds.gave_up`), so the test never counts it as held.
 """
@@ -133,10 +135,13 @@ class Holds:
         and wait for the release (at most :data:`~tests.faults.constants.HOLD_MAX_S`)."""
         if not self._wanted.is_dir() or (self._held / f"{run.id}.json").exists():
             return
+        pid = os.getpid()
+        if any(held.pid == pid and not self._over(held.run_id) for held in self.held()):
+            return
         label = self._take(point)
         if label is None:
             return
-        held = Held(label, point, run.id, rule, run.attempts, run.epoch, os.getpid(), time.time())
+        held = Held(label, point, run.id, rule, run.attempts, run.epoch, pid, time.time())
         self._write(self._held / f"{run.id}.json", json.dumps(asdict(held)))
         deadline = time.monotonic() + HOLD_MAX_S
         while not (self._released / run.id).exists():
@@ -144,6 +149,9 @@ class Holds:
                 self._write(self._gave_up / run.id, "")
                 return
             await asyncio.sleep(POLL_S)
+
+    def _over(self, run_id: str) -> bool:
+        return (self._released / run_id).exists() or (self._gave_up / run_id).exists()
 
     def _take(self, point: Point) -> str | None:
         for wanted in sorted(self._wanted.iterdir()):

@@ -341,47 +341,50 @@ async def _wait_for_turns(artifacts: Any, turns: int) -> float:
 def worker_figures(load: Load, log_dir: Path) -> dict[str, Any]:
     """Deliveries the workers' logs show, by outcome, and the tasks whose worker was lost.
 
-    A delivery that ran to its end logs one outcome line with its task id; one whose pool
-    process died logs none, but its worker logs a ``WorkerLostError`` naming the task. A task
-    id seen more than once was delivered again: by the broker (a restored unacknowledged
-    message) or by Celery (a task retried after its worker was lost). A message sent and never
-    seen with an outcome was lost, or its delivery was stopped without one (a task Celery
-    terminated on a broker connection loss, one of a SIGKILLed main process).
+    A message names one or more runs; a delivery that ran to its end logs one outcome line per
+    run with the task id; one whose pool process died logs none, but its worker logs a
+    ``WorkerLostError`` naming the task. A run seen with an outcome more than once under one
+    task id was delivered again by the broker (a restored unacknowledged message); a task
+    retried after its worker was lost is split into new messages, one per run. A message the
+    dispatcher sent and never seen with an outcome was lost, or its delivery was stopped
+    without one (a task Celery terminated on a broker connection loss, one of a SIGKILLed main
+    process).
     """
     outcomes: Counter[str] = Counter()
-    per_task: Counter[str] = Counter()
-    ends: dict[str, list[tuple[str, str]]] = {}
+    per_delivery: Counter[tuple[str, str]] = Counter()
+    tasks: set[str] = set()
+    ends: dict[tuple[str, str], list[tuple[str, str]]] = {}
     lost = 0
     for line in log_lines(log_dir):
         task = lost_task(line)
         if task is not None:
             lost += 1
-            if task:
-                per_task[task] += 1
+            tasks.add(task)
             continue
         ended = outcome_of(line)
         if ended is None:
             continue
-        task_id, outcome = ended
+        task_id, run_id, outcome = ended
         outcomes[outcome] += 1
-        per_task[task_id] += 1
-        ends.setdefault(task_id, []).append((str(line["timestamp"]), outcome))
+        tasks.add(task_id)
+        per_delivery[(task_id, run_id)] += 1
+        ends.setdefault((task_id, run_id), []).append((str(line["timestamp"]), outcome))
     return {
-        "deliveries": sum(per_task.values()),
-        "redeliveries": sum(count - 1 for count in per_task.values()),
+        "deliveries": sum(per_delivery.values()),
+        "redeliveries": sum(count - 1 for count in per_delivery.values()),
         "redelivered_while_running": sum(
             _overlapped(sorted(found)) for found in ends.values() if len(found) > 1
         ),
         "tasks_lost_with_their_process": lost,
-        "messages_without_outcome": max(load.handed.messages - len(per_task), 0),
+        "messages_without_outcome": max(load.handed.messages - len(tasks), 0),
         "outcomes": dict(sorted(outcomes.items())),
         "workers": len(load.workers),
     }
 
 
 def _overlapped(ends: list[tuple[str, str]]) -> bool:
-    """Whether a delivery of a task was refused (the run held) before another one of the same
-    task finished the run: the broker handed over a message whose run was still running."""
+    """Whether a delivery of a run was refused (the run held) before another delivery of the
+    same message finished it: the broker handed over a message whose run was still running."""
     finished = [at for at, outcome in ends if outcome == "succeeded"]
     return bool(finished) and any(
         outcome == "contended" and at < finished[0] for at, outcome in ends

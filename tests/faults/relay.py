@@ -67,7 +67,7 @@ async def dispatching(runtime: Runtime, settings: Settings) -> AsyncIterator[Han
 _OUTCOME_MESSAGES: Final = {message: outcome for outcome, (_, message) in OUTCOMES.items()}
 
 _OTHER_ENDS: Final = {
-    "run interrupted by the task's soft time limit": "soft_time_limit",
+    "runs interrupted by the task's soft time limit": "soft_time_limit",
     "run's task killed its worker too often: failing the run": "worker_lost_bound",
 }
 
@@ -83,13 +83,15 @@ def log_lines(log_dir: Path) -> Iterator[dict[str, Any]]:
                     yield json.loads(line)
 
 
-def outcome_of(line: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(task id, outcome) if ``line`` is the end of one delivery of a run task."""
+def outcome_of(line: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(task id, run id, outcome) if ``line`` ends one run's part in a delivery of a run
+    task (a message names several runs: each ends with its own line; the run id is empty on
+    a line that ends them all)."""
     event = str(line.get("event", ""))
     outcome = _OUTCOME_MESSAGES.get(event) or _OTHER_ENDS.get(event)
     if outcome is None or "task_id" not in line:
         return None
-    return str(line["task_id"]), outcome
+    return str(line["task_id"]), str(line.get("run_id", "")), outcome
 
 
 def lost_task(line: Mapping[str, Any]) -> str | None:
