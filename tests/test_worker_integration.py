@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
+from relayr.batch import RunBatch
 from relayr.demo import Plan, run_scenario
 from relayr.dispatch import Dispatcher
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
-from tasks.runs import RunIds, send_run
+from tasks.runs import send_runs
 from tests.apps import TURN_RELEASE_FILE
 from tests.workers import WorkerProcess, relayr_environment, running_worker
 
@@ -44,9 +45,9 @@ def serve_enqueueing(copies: int) -> Serve:
     async def serve(runtime: Runtime, stop: asyncio.Event) -> None:
         app = create_celery(runtime.settings)
 
-        async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
+        async def enqueue(batch: RunBatch) -> None:
             for _ in range(copies):
-                send_run(app, runtime.settings.queue, RunIds(tenant_id, workspace_id, run_id))
+                send_runs(app, runtime.settings.queue, batch)
 
         await Dispatcher(runtime).serve(enqueue, stop)
 
@@ -287,8 +288,8 @@ async def crash_once(settings: Settings, worker: WorkerProcess) -> Any:
     async with runtime:
         app = create_celery(settings)
 
-        async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
-            send_run(app, settings.queue, RunIds(tenant_id, workspace_id, run_id))
+        async def enqueue(batch: RunBatch) -> None:
+            send_runs(app, settings.queue, batch)
 
         rules = await runtime.application.rules.open(
             "acme", "crashes", actor=SourceActor(name="test")
@@ -341,8 +342,8 @@ async def sleep_twice(settings: Settings, worker: WorkerProcess) -> tuple[Any, A
         rules = await runtime.application.rules.open("acme", "naps", actor=SourceActor(name="t"))
         dispatcher = Dispatcher(runtime)
 
-        async def enqueue(tenant_id: str, workspace_id: str, run_id: str) -> None:
-            send_run(app, settings.queue, RunIds(tenant_id, workspace_id, run_id))
+        async def enqueue(batch: RunBatch) -> None:
+            send_runs(app, settings.queue, batch)
 
         deadline = time.monotonic() + 60
 
