@@ -221,13 +221,14 @@ def _execute(self: Any, batch: RunBatch) -> list[str]:
                     )
                 )
         except SoftTimeLimitExceeded:
-            logger.warning(
-                "runs interrupted by the task's soft time limit",
-                run_ids=list(batch.run_ids),
-                outcome="interrupted",
-                reason="soft_time_limit",
-                soft_time_limit_s=settings.soft_time_limit_s,
-            )
+            for run_id in batch.run_ids:
+                logger.warning(
+                    "run interrupted by the task's soft time limit",
+                    run_id=run_id,
+                    outcome="interrupted",
+                    reason="soft_time_limit",
+                    soft_time_limit_s=settings.soft_time_limit_s,
+                )
             return ["interrupted"]
         for executed in results:
             log_outcome(executed)
