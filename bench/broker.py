@@ -9,13 +9,16 @@ acknowledgement each (as a worker process with ``worker_prefetch_multiplier=1`` 
 - ``relayr-filesystem``: relayr's transport (:mod:`relayr.broker.filesystem`), the default;
 - ``relayr-filesystem-fsync``: the same with ``fsync`` on (each message flushed to disk).
 
-Each transport gets a fresh folder under ``.relayr/bench``; they run one after the other in
-this process. One JSON line per transport on stdout, with the machine and its load average:
-run it on a quiet machine, one benchmark at a time.
+Each transport gets a fresh folder under ``.relayr/bench`` per round; the transports take
+turns, ``--rounds`` times (3), and each one's figures are the medians of its rounds, so a
+moment when the disk is busy (a shared host's other processes) weighs on every transport
+alike. One JSON line per transport on stdout, with every round's figures, the machine and its
+load average: run it on a quiet machine, one benchmark at a time.
 """
 
 import argparse
 import shutil
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -97,15 +100,11 @@ def measure(name: str, connect: Callable[[Path], Connection], n: int) -> dict[st
                         break
                 consumed_s = time.perf_counter() - started
         return {
-            "bench": "broker",
-            "transport": name,
-            "n": n,
             "consumed": consumed,
             "publish_per_s": round(n / published_s),
             "consume_per_s": round(consumed / consumed_s),
             "publish_us": round(published_s / n * 1e6, 1),
             "consume_us": round(consumed_s / max(consumed, 1) * 1e6, 1),
-            "machine": machine(),
         }
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -121,10 +120,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--transports", nargs="+", choices=sorted(TRANSPORTS), default=list(TRANSPORTS)
     )
+    parser.add_argument("--rounds", type=int, default=3, help="turns each transport takes")
     args = parser.parse_args(argv)
-    for name in args.transports:
-        note(f"{name}: publishing and consuming {args.n} messages")
-        emit(measure(name, TRANSPORTS[name], args.n))
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.transports}
+    for number in range(1, args.rounds + 1):
+        for name in args.transports:
+            note(f"round {number}: {name}: publishing and consuming {args.n} messages")
+            rounds[name].append(measure(name, TRANSPORTS[name], args.n))
+    for name, measured in rounds.items():
+        emit(
+            {
+                "bench": "broker",
+                "transport": name,
+                "n": args.n,
+                "rounds": len(measured),
+                "consumed": min(each["consumed"] for each in measured),
+                **{
+                    key: round(statistics.median(each[key] for each in measured), 1)
+                    for key in ("publish_per_s", "consume_per_s", "publish_us", "consume_us")
+                },
+                "each_round": [
+                    {key: each[key] for key in ("publish_per_s", "consume_per_s")}
+                    for each in measured
+                ],
+                "machine": machine(),
+            }
+        )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ COMMANDS = {
     "floor": ("bench.floor", "--n", "5", "--storage", "sqlite"),
     "transactions": ("bench.transactions", "--n", "4", "--storage", "sqlite"),
     "memory": ("bench.memory", "--first", "2", "--total", "5", "--storage", "sqlite"),
-    "broker": ("bench.broker", "--n", "20"),
+    "broker": ("bench.broker", "--n", "20", "--rounds", "1"),
 }
 """Each benchmark at a tiny N. They run at once (each case has its own home, queue and
 SQLite file), so the module takes about as long as the slowest one."""
