@@ -69,9 +69,6 @@ reflexr's default (``scope``: one run of the rule at a time per workspace)."""
 
 COUNTS_FOLDER: Final = "tx-counts"
 PROFILE_MARKER: Final = "bench-profile"
-CLAIM_EXPERIMENT_MARKER: Final = "bench-experiment-claim"
-"""When this file is in a case's home, the workers claim runs as :func:`claim_without_scope_read`
-does: the local experiment behind a proposed change to ``relayr.executor._claim``."""
 
 COUNTS_EVERY_S: Final = 0.2
 """How often a worker process rewrites its counts file: the benchmark waits for a few of these
@@ -232,8 +229,6 @@ async def _counted(settings: Settings, ordering: Ordering) -> Application:
     for engine in app.engines:
         EngineCounter(engine, into=_process_counts)
     closing: list[Callable[[], None]] = []
-    if (home / CLAIM_EXPERIMENT_MARKER).exists():
-        claim_without_scope_read(app)
     if (home / PROFILE_MARKER).exists():
         # the factory runs on the process's loop thread, where every run executes
         profiler = cProfile.Profile()
@@ -263,48 +258,6 @@ async def create_app_scope_ordered(settings: Settings) -> Application:
     """``RELAYR_APP=bench.common:create_app_scope_ordered``: the example with reflexr's default
     ordering (``scope``) for its rules, counted."""
     return await _counted(settings, "scope")
-
-
-def claim_without_scope_read(application: Application) -> None:
-    """Make this process's claims skip the scope read for rules ordered ``none``: the local
-    experiment behind a proposed change to ``relayr.executor._claim``.
-
-    For a rule ordered ``none``, ``runnable(scope_runs, rule, now=now)`` keeps every waiting,
-    due run, and the claim has just checked that its run is both: reading the scope costs a
-    read of every unfinished run of the rule in the workspace, in the claim's transaction, and
-    decides nothing. The experiment answers ``scope_runs`` for such a rule with the run the
-    same transaction just read, so ``runnable`` decides exactly as before; ordered rules, and
-    any other caller, read the scope as before. It patches reflexr's SQL transaction class, in
-    a worker process only, when the case asks for it.
-    """
-    from reflexr.sql import storage as sql_storage
-
-    transaction = sql_storage._Transaction
-    read_run = transaction.run
-    read_scope = transaction.scope_runs
-    unordered = {name for name, rule in application.rules.rules.items() if rule.ordering == "none"}
-
-    async def run(self: Any, run_id: str) -> Any:
-        found = await read_run(self, run_id)
-        self._bench_last_run = found
-        return found
-
-    async def scope_runs(self: Any, rule: str, scope_key: str) -> Any:
-        last = getattr(self, "_bench_last_run", None)
-        if (
-            rule in unordered
-            and last is not None
-            and (last.rule, last.scope_key)
-            == (
-                rule,
-                scope_key,
-            )
-        ):
-            return [last]
-        return await read_scope(self, rule, scope_key)
-
-    transaction.run = run  # type: ignore[method-assign]
-    transaction.scope_runs = scope_runs  # type: ignore[method-assign]
 
 
 def read_counts(home: Path, pids: Sequence[int]) -> dict[int, dict[str, int]]:

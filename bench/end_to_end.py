@@ -34,11 +34,9 @@ and :mod:`bench.memory`.
 
 import argparse
 import asyncio
-import contextlib
 import json
 import pstats
 import shutil
-import sqlite3
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -54,7 +52,6 @@ from reflexr.core import load_event
 
 from bench.common import (
     APPS,
-    CLAIM_EXPERIMENT_MARKER,
     PROFILE_MARKER,
     STORAGES,
     CaseStorage,
@@ -101,13 +98,6 @@ IDLE_QUIET_S: Final = 1.0
 DISPATCH_INTERVAL_S: Final = 0.5
 """The dispatcher's pass interval, as in the demo and the tests (the default is 1 s)."""
 
-EXPERIMENTS: Final = ("claim", "sqlite-wal", "requeue-600")
-"""Proposed changes to files that are not the benchmark's, tried here without editing them:
-``claim``, a claim that does not read the scope of a rule ordered ``none``
-(:func:`bench.common.claim_without_scope_read`); ``sqlite-wal``, the SQLite file in WAL mode;
-``requeue-600``, ``RELAYR_REQUEUE_AFTER_S=600`` instead of 60, so a backlog that takes longer
-than a minute to drain is not enqueued a second time."""
-
 _MESSAGE_OUTCOMES: Final = {message: outcome for outcome, (_, message) in OUTCOMES.items()}
 
 
@@ -128,7 +118,6 @@ class Case:
     rate: float | None = None
     dispatch_interval_s: float = DISPATCH_INTERVAL_S
     profile: bool = False
-    experiments: tuple[str, ...] = ()
     timeout_s: float | None = None
     batches: tuple[int, ...] = field(default=())
 
@@ -140,7 +129,7 @@ class Case:
     def label(self) -> str:
         return (
             f"{self.storage}-n{self.n}-w{self.workers}{self.worker_mode[0]}-"
-            f"ws{self.workspaces}-{self.ordering}{''.join('-' + name for name in self.experiments)}"
+            f"ws{self.workspaces}-{self.ordering}"
         )
 
 
@@ -527,12 +516,6 @@ def run_case(case: Case, *, keep: bool = False) -> list[dict[str, Any]]:
     home = fresh_home(case.label)
     if case.profile:
         (home / PROFILE_MARKER).touch()
-    if "claim" in case.experiments:
-        (home / CLAIM_EXPERIMENT_MARKER).touch()
-    if "sqlite-wal" in case.experiments and case.storage == "sqlite":
-        # journal_mode is kept in the file: every connection of every process opens it in WAL
-        with contextlib.closing(sqlite3.connect(home / "relayr.db")) as database:
-            database.execute("PRAGMA journal_mode=WAL")
     note(f"{case.label}: home {home}")
     results: list[dict[str, Any]] = []
     workers: list[WorkerProcess] = []
@@ -542,7 +525,6 @@ def run_case(case: Case, *, keep: bool = False) -> list[dict[str, Any]]:
                 home,
                 app=APPS[case.ordering],
                 dispatch_interval_s=case.dispatch_interval_s,
-                **({"requeue_after_s": 600} if "requeue-600" in case.experiments else {}),
                 **storage.overrides,
             )
             settings = Settings.from_env(environment)
@@ -619,13 +601,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=None, help="events/s (default: a burst)")
     parser.add_argument("--dispatch-interval-s", type=float, default=DISPATCH_INTERVAL_S)
     parser.add_argument("--profile", action="store_true", help="cProfile the pool processes")
-    parser.add_argument(
-        "--experiment",
-        action="append",
-        choices=EXPERIMENTS,
-        default=[],
-        help="a proposed change, tried without editing relayr (docs/performance.md)",
-    )
     parser.add_argument("--no-floor", action="store_true", help="skip bench.floor")
     parser.add_argument("--keep", action="store_true", help="keep each case's home")
     parser.add_argument(
@@ -660,7 +635,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 rate=args.rate,
                 dispatch_interval_s=args.dispatch_interval_s,
                 profile=args.profile,
-                experiments=tuple(args.experiment),
                 timeout_s=args.timeout_s,
             )
             for storage in storages

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.common import STORAGES, emit, quiet_logging, storage_available
-from bench.end_to_end import EXPERIMENTS, Case, run_case
+from bench.end_to_end import Case, run_case
 
 
 def measure(
@@ -20,7 +20,6 @@ def measure(
     first: int,
     total_runs: int,
     *,
-    experiments: tuple[str, ...] = (),
     rate: float | None = None,
 ) -> dict[str, Any]:
     case = Case(
@@ -28,7 +27,6 @@ def measure(
         n=total_runs,
         workers=1,
         batches=(first, total_runs - first),
-        experiments=experiments,
         rate=rate,
     )
     early, late = run_case(case)
@@ -38,7 +36,6 @@ def measure(
     return {
         "bench": "memory",
         "storage": storage,
-        "experiments": list(experiments),
         "rate": rate,
         "pool_pid": int(pid),
         f"after_{first}": at_first,
@@ -61,7 +58,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--first", type=int, default=200, help="runs before the first reading")
     parser.add_argument("--total", type=int, default=5000, help="runs before the second")
     parser.add_argument("--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite"])
-    parser.add_argument("--experiment", action="append", choices=EXPERIMENTS, default=[])
     parser.add_argument("--rate", type=float, default=None, help="events/s (default: a burst)")
     args = parser.parse_args(argv)
     quiet_logging()
@@ -69,15 +65,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not storage_available(storage):
             emit({"bench": "memory", "storage": storage, "skipped": "a service is down"})
             continue
-        emit(
-            measure(
-                storage,
-                args.first,
-                args.total,
-                experiments=tuple(args.experiment),
-                rate=args.rate,
-            )
-        )
+        emit(measure(storage, args.first, args.total, rate=args.rate))
 
 
 if __name__ == "__main__":
