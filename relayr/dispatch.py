@@ -41,8 +41,10 @@ import structlog
 from reflexr.core import Run, RunStatus
 from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
+from relayr import broker
 from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.runtime import Runtime
+from relayr.settings import Settings
 
 type Enqueue = Callable[[RunBatch], Awaitable[None]]
 """Hands one message to the queue: ``await enqueue(batch)``."""
@@ -128,7 +130,8 @@ class Dispatcher:
         runtime: The process's runtime; its holder names this dispatcher's leases.
         monotonic: The clock ``requeue_after_s`` is measured on.
         limit: How many due runs one pass reads.
-        queue_depth: How many messages wait in the broker's queue (see the module).
+        queue_depth: How many messages wait in the broker's queue (see the module); by default
+            the settings' broker is asked (:func:`relayr.broker.queue_depth`).
     """
 
     def __init__(
@@ -152,7 +155,7 @@ class Dispatcher:
         self._interval_s = runtime.settings.dispatch_interval_s
         self._monotonic = monotonic
         self._limit = limit
-        self._queue_depth = queue_depth
+        self._queue_depth = queue_depth or _asking(runtime.settings)
         self._sent = _Ledger()
 
     async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
@@ -247,7 +250,7 @@ class Dispatcher:
             (m for m in sent.messages.values() if m.taken_at is None), key=lambda m: m.seq
         )
         if outstanding:
-            depth = None if self._queue_depth is None else await self._queue_depth()
+            depth = await self._queue_depth()
             head = outstanding[0]
             for message in outstanding:
                 passed = message.seq < sent.latest_taken or (
@@ -301,6 +304,19 @@ def _batches(
             run_ids=tuple(run.id for _, run in group),
         )
         yield batch, group
+
+
+def _asking(settings: Settings) -> QueueDepth:
+    """How many messages wait in the settings' queue, as its broker says; None if it cannot."""
+
+    async def depth() -> int | None:
+        try:
+            return await asyncio.to_thread(broker.queue_depth, settings)
+        except Exception:  # an unreachable broker, or one that keeps no count (memory://)
+            logger.debug("the broker could not say how many messages wait", exc_info=True)
+            return None
+
+    return depth
 
 
 def _key(ref: WorkspaceRef, run: Run) -> _RunKey:

@@ -5,7 +5,7 @@ run's segment (how many checkpoints it has saved), the operation, what the write
 and a digest of its content; a thread's title; an edit's artifact and path; an artifact's kind
 and a digest of its data), and how many identical writes the attempt made before it. The same
 writes on any retry get the same ids, whatever else changed, so artifactr refuses the second
-commit of each (ADR-0045) and a retried task makes each effect once. Two identical notices in
+commit of each (ADR-0027) and a retried task makes each effect once. Two identical notices in
 one attempt still get two ids, since the second is counted after the first.
 
 Pure: no I/O, no clock.
