@@ -6,36 +6,44 @@ reflexr's workspaces with the rules, the actions by name, and optionally the pyd
 that carries out turns (without one, no rule may start a turn, whatever the allowlist says).
 
 The factory is called inside the event loop that will use what it builds, because async engines
-and both libraries' SQL storage belong to the loop that first used them (LIBRARIES.md A1).
-:func:`open_storage` builds both libraries' storage on one database (B9), migrating both at
-start, so a worker, the dispatcher and the CLI all open the same thing the same way.
+and both libraries' SQL storage belong to the loop that first used them.
+:func:`open_storage` builds both libraries' storage on one database, migrating both at start, so
+a worker, the dispatcher and the CLI all open the same thing the same way.
+
+Importing this module imports neither library (nor SQLAlchemy): an application module imports
+it for :class:`Application`, and commands that use one library only must not pay for the other
+(ADR-0050, :mod:`relayr.parts`). The libraries are imported where they are used.
 """
+
+from __future__ import annotations
 
 import asyncio
 import importlib
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, cast
-
-import artifactr.sql
-import reflexr.sql
-from artifactr import Workspaces as ArtifactWorkspaces
-from artifactr.agent import Session
-from artifactr.workspace import InMemoryStorage as ArtifactMemory
-from artifactr.workspace.storage import Storage as ArtifactStorage
-from pydantic_ai import Agent
-from reflexr.workspace import Action
-from reflexr.workspace import InMemoryStorage as RuleMemory
-from reflexr.workspace import Storage as RuleStorage
-from reflexr.workspace import Workspaces as RuleWorkspaces
-from sqlalchemy import event, text
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 from relayr.errors import InvalidApplication
-from relayr.ledger.port import Ledger
 from relayr.settings import Settings
+
+if TYPE_CHECKING:
+    from artifactr import Workspaces as ArtifactWorkspaces
+    from artifactr.agent import Session
+    from artifactr.workspace.storage import Storage as ArtifactStorage
+    from pydantic_ai import Agent
+    from reflexr.workspace import Action
+    from reflexr.workspace import Storage as RuleStorage
+    from reflexr.workspace import Workspaces as RuleWorkspaces
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from relayr.ledger.port import Ledger
+
+type Library = Literal["artifactr", "reflexr"]
+
+BOTH: Final[tuple[Library, ...]] = ("artifactr", "reflexr")
+"""Both libraries, in the order they are migrated."""
 
 SQLITE_LOCK_TIMEOUT_S: Final = 30.0
 """How long a SQLite transaction waits for another process's write lock. sqlite3's default
@@ -53,7 +61,7 @@ one after the other instead of racing to create the same tables ("rela" in ASCII
 MIGRATION_LOCK_TIMEOUT_S: Final = 120.0
 """How long a process waits for another's migration before giving up."""
 
-type Factory = Callable[[Settings], Awaitable["Application"]]
+type Factory = Callable[[Settings], Awaitable[Application]]
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,8 @@ class Application:
 
 @dataclass(frozen=True)
 class SharedStorage:
-    """Both libraries' storage on one database (LIBRARIES.md B9).
+    """Both libraries' storage on one database (their tables are prefixed, each library keeps
+    its own migration version).
 
     Attributes:
         artifacts: artifactr's storage.
@@ -121,22 +130,30 @@ class SharedStorage:
         return () if self.engine is None else (self.engine,)
 
 
-def create_engine(database_url: str) -> AsyncEngine:
+def create_engine(database_url: str, *, libraries: Collection[Library] = BOTH) -> AsyncEngine:
     """Return an engine for a SQLite or PostgreSQL URL, as both libraries need it.
 
-    SQLite goes through ``create_sqlite_engine`` (one connection, ``BEGIN IMMEDIATE``): a plain
-    engine loses most concurrent writes (LIBRARIES.md pitfall 11). The file's folder is created
-    if missing, so the embedded default works on a fresh clone.
+    SQLite goes through the libraries' ``create_sqlite_engine`` (one connection, ``BEGIN
+    IMMEDIATE``): a plain engine loses most concurrent writes. Both libraries export the same
+    function; it is imported from one of ``libraries``, so a command that uses one library
+    imports no other. The file's folder is created if missing, so the embedded default works on
+    a fresh clone.
     """
     if database_url.startswith("sqlite"):
+        if "reflexr" in libraries:
+            from reflexr.sql import create_sqlite_engine
+        else:
+            from artifactr.sql import create_sqlite_engine
+        from sqlalchemy import event
+
         path = database_url.partition(":///")[2]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = artifactr.sql.create_sqlite_engine(
-            database_url, connect_args={"timeout": SQLITE_LOCK_TIMEOUT_S}
-        )
+        engine = create_sqlite_engine(database_url, connect_args={"timeout": SQLITE_LOCK_TIMEOUT_S})
         event.listen(engine.sync_engine, "connect", _write_ahead)
         return engine
+    from sqlalchemy.ext.asyncio import create_async_engine
+
     return create_async_engine(database_url, pool_pre_ping=True)
 
 
@@ -156,27 +173,41 @@ def _write_ahead(connection: Any, _record: Any) -> None:
         cursor.close()
 
 
-async def migrate(engine: AsyncEngine) -> None:
-    """Bring both libraries' tables up to date; a no-op when they are.
+async def migrate(engine: AsyncEngine, libraries: Collection[Library] = BOTH) -> None:
+    """Bring the tables of ``libraries`` (both by default) up to date; a no-op when they are.
 
     On PostgreSQL an advisory lock, held on a connection of its own, makes processes that start
     together migrate one at a time. SQLite needs none: each migration is a ``BEGIN IMMEDIATE``
     transaction, which takes the file's write lock.
     """
     if engine.dialect.name != "postgresql":
-        await artifactr.sql.migrate(engine)
-        await reflexr.sql.migrate(engine)
+        await _migrate(engine, libraries)
         return
+    from sqlalchemy import text
+
     async with engine.connect() as lock:
         async with asyncio.timeout(MIGRATION_LOCK_TIMEOUT_S):
             await lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK})
         await lock.commit()
         try:
-            await artifactr.sql.migrate(engine)
-            await reflexr.sql.migrate(engine)
+            await _migrate(engine, libraries)
         finally:
             await lock.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK})
             await lock.commit()
+
+
+async def _migrate(engine: AsyncEngine, libraries: Collection[Library]) -> None:
+    for library in BOTH:
+        if library not in libraries:
+            continue
+        if library == "artifactr":
+            import artifactr.sql
+
+            await artifactr.sql.migrate(engine)
+        else:
+            import reflexr.sql
+
+            await reflexr.sql.migrate(engine)
 
 
 async def open_storage(settings: Settings) -> SharedStorage:
@@ -185,6 +216,11 @@ async def open_storage(settings: Settings) -> SharedStorage:
     ``memory://`` keeps both in this process: for tests, and for one process that runs the
     dispatcher and its worker together.
     """
+    import artifactr.sql
+    import reflexr.sql
+    from artifactr.workspace import InMemoryStorage as ArtifactMemory
+    from reflexr.workspace import InMemoryStorage as RuleMemory
+
     if settings.database_url.startswith("memory://"):
         return SharedStorage(artifacts=ArtifactMemory(), rules=RuleMemory(), engine=None)
     engine = create_engine(settings.database_url)
