@@ -19,6 +19,7 @@ URL's scheme); URLs, options and folders are the settings' own.
 
 from typing import Any, Final
 
+from relayr.broker import layout
 from relayr.settings import Settings
 
 FILESYSTEM_TRANSPORT: Final = "relayr.broker.filesystem:Transport"
@@ -51,18 +52,23 @@ def queue_depth(settings: Settings, queue: str | None = None) -> int:
     """How many messages wait in ``queue`` (default: the settings' own), not counting those a
     consumer has taken and not yet acknowledged. 0 for a queue that does not exist.
 
+    The embedded broker's is one listing of the queue's folder; a Redis queue's is kombu's
+    passive ``queue_declare`` (one connection, ``EXISTS`` and ``LLEN``).
+
     Raises:
         ValueError: For ``memory://``, whose queues live inside one process.
         kombu's connection errors: When the broker cannot be reached.
     """
+    name = queue or settings.queue
+    if settings.broker_url.startswith("filesystem://"):
+        return layout.count_messages(layout.queue_path(settings.broker_folder, name))
+    if settings.broker_url.startswith("memory://"):
+        raise ValueError("memory:// keeps its queues inside one process: no depth to read")
+
     from kombu import connection as kombu_connection
     from kombu.exceptions import ChannelError
 
     connect: Any = kombu_connection.Connection  # kombu's annotations are partial: used untyped
-
-    if settings.broker_url.startswith("memory://"):
-        raise ValueError("memory:// keeps its queues inside one process: no depth to read")
-    name = queue or settings.queue
     with connect(
         url(settings),
         transport=transport(settings),

@@ -129,7 +129,7 @@ class Holder:
         ``queue_folder``."""
         folder = self.folder / queue_folder
         if queue_folder not in self._made:
-            folder.mkdir(exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
             self._made.add(queue_folder)
         return folder
 
