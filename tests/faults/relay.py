@@ -67,7 +67,7 @@ async def dispatching(runtime: Runtime, settings: Settings) -> AsyncIterator[Han
 _OUTCOME_MESSAGES: Final = {message: outcome for outcome, (_, message) in OUTCOMES.items()}
 
 _OTHER_ENDS: Final = {
-    "runs interrupted by the task's soft time limit": "soft_time_limit",
+    "run interrupted by the task's soft time limit": "soft_time_limit",
     "run's task killed its worker too often: failing the run": "worker_lost_bound",
 }
 
