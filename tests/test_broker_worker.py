@@ -185,17 +185,26 @@ def test_a_worker_sigkilled_while_it_holds_a_message_gets_it_delivered_again(
 # ─── remote control ───────────────────────────────────────────────────────────
 
 
-def test_celery_remote_control_reaches_a_worker_on_the_embedded_broker(tmp_path: Path) -> None:
-    """``celery inspect ping`` goes through a fanout exchange, which every process reads."""
+def test_celery_remote_control_and_events_work_on_the_embedded_broker(tmp_path: Path) -> None:
+    """``celery inspect ping`` goes through a fanout exchange, events through a topic exchange:
+    bindings every process reads."""
     environment = relayr_environment(tmp_path)
     settings = Settings.from_env(environment)
     app = create_celery(settings)
+    events: list[str] = []
     with running_worker(environment, tmp_path, concurrency=1) as worker:
         replies = app.control.ping(timeout=5.0)
         queues = app.control.inspect(timeout=5.0).active_queues() or {}
+        # and task events: a receiver's queue, bound to the events exchange, gets them
+        with app.connection_for_read() as connection:
+            receiver = app.events.Receiver(
+                connection, handlers={"*": lambda event: events.append(event["type"])}
+            )
+            receiver.capture(limit=1, timeout=30, wakeup=True)
     prefix = worker.name.split("@")[0]
     assert [list(reply.values()) for reply in replies] == [[{"ok": "pong"}]]
     assert next(name for reply in replies for name in reply).startswith(prefix)
     ((name, consumed),) = queues.items()
     assert name.startswith(prefix)
     assert [queue["name"] for queue in consumed] == [settings.queue]
+    assert events == ["worker-heartbeat"]
