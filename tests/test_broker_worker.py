@@ -9,6 +9,7 @@ only after the kill (:mod:`tests.broker_app`).
 
 import asyncio
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any, Final
@@ -150,11 +151,13 @@ async def dispatching_until(settings: Settings, done: Any, *, publish: bool = Fa
             await dispatcher
 
 
+@pytest.mark.parametrize("killed", ["main process and pool", "main process"])
 def test_a_worker_sigkilled_while_it_holds_a_message_gets_it_delivered_again(
-    tmp_path: Path,
+    tmp_path: Path, killed: str
 ) -> None:
-    """The worker (main process and pool, as an out-of-memory kill of its container) dies
-    while its run waits on the gate; the next worker is handed the same message."""
+    """The worker dies while its run waits on the gate: all of it, as an out-of-memory kill of
+    its container, or its main process alone (the one that holds the message), leaving its
+    pool process behind; the next worker is handed the same message."""
     # the dispatcher does not send the run again while the test runs (requeue_after_s)
     environment = relayr_environment(
         tmp_path, app="tests.broker_app:create_gated_app", lease_ttl_s=2, requeue_after_s=600
@@ -166,16 +169,23 @@ def test_a_worker_sigkilled_while_it_holds_a_message_gets_it_delivered_again(
             dispatching_until(settings, lambda run: run.status == "running", publish=True)
         )
         (held,) = held_messages(settings)  # the worker's main process holds it, unacknowledged
+        if killed == "main process":
+            first.process.send_signal(signal.SIGKILL)
+            first.process.wait()
     finally:
-        first.kill()
-    assert held_messages(settings) == [held]  # still there: nobody acknowledged it
-    task_id = json.loads(held.read_bytes())["headers"]["id"]
-    gate_path(settings).touch()
-    with running_worker(environment, tmp_path, concurrency=1) as second:
-        (recovered,) = wait_for(second, lambda line: line.get("event") == RECOVERED)
-        # the same message, delivered to the new worker's task
-        wait_for(second, lambda line: line.get("task_id") == task_id)
-        ended = asyncio.run(dispatching_until(settings, lambda run: run.status == "succeeded"))
+        if killed != "main process":
+            first.kill()
+    try:
+        assert held_messages(settings) == [held]  # still there: nobody acknowledged it
+        task_id = json.loads(held.read_bytes())["headers"]["id"]
+        gate_path(settings).touch()
+        with running_worker(environment, tmp_path, concurrency=1) as second:
+            (recovered,) = wait_for(second, lambda line: line.get("event") == RECOVERED)
+            # the same message, delivered to the new worker's task
+            wait_for(second, lambda line: line.get("task_id") == task_id)
+            ended = asyncio.run(dispatching_until(settings, lambda run: run.status == "succeeded"))
+    finally:
+        first.kill()  # the pool process left behind, if any
     assert recovered["messages"] == 1
     assert ended.id == running.id
     assert held_messages(settings) == []
