@@ -80,6 +80,10 @@ a consumer that died while starting: it is removed."""
 
 _OPEN_FLAGS: Final = os.O_CLOEXEC | os.O_NOFOLLOW
 
+_FILE_MODE: Final = 0o666
+"""Message and lock files are as open as the process's umask allows, as kombu's were: the
+processes that share a broker folder (workers, a dispatcher) may run as users of one group."""
+
 # kombu's annotations are partial: its classes and functions are used untyped, as Any
 KombuQoS: Any = virtual.QoS
 KombuChannel: Any = filesystem.Channel
@@ -101,7 +105,7 @@ class Holder:
         for _ in range(3):
             consumer_id = f"{os.getpid():x}-{os.urandom(6).hex()}"
             staging = consumers / f"{layout.STAGING_PREFIX}{consumer_id}{layout.LOCK_SUFFIX}"
-            fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+            fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, _FILE_MODE)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.rename(staging, consumers / f"{consumer_id}{layout.LOCK_SUFFIX}")
@@ -257,6 +261,9 @@ def _recover_consumer(root: Path, consumer_id: str) -> int:
         fd = os.open(lock, os.O_RDWR | _OPEN_FLAGS)
     except FileNotFoundError:
         return 0
+    except OSError as error:  # not ours to open: its owner's to restore when it starts again
+        logger.debug("a consumer's lock cannot be opened", path=str(lock), error=str(error))
+        return 0
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -380,7 +387,7 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
         staged = self.root / layout.INCOMING / name
         target_folder = layout.queue_path(self.root, queue)
         try:
-            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, _FILE_MODE)
             try:
                 _write_all(fd, dumps(message).encode("utf-8"))
                 if self.fsync:
@@ -561,8 +568,19 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
         log_set_aside(str(target), queue, problem)
 
     def recover(self) -> None:
-        """Give dead consumers' messages back to their queues (see the module docstring)."""
-        if recover_dead_consumers(self.root):
+        """Give dead consumers' messages back to their queues (see the module docstring).
+
+        A filesystem error here is logged, not raised: the next look tries again, and the
+        consumer goes on with its own messages meanwhile.
+        """
+        try:
+            moved = recover_dead_consumers(self.root)
+        except OSError as error:
+            logger.warning(
+                "looking for dead consumers failed", root=str(self.root), error=str(error)
+            )
+            return
+        if moved:
             for channel in list(self.connection.channels if self.connection else ()):
                 if isinstance(channel, Channel):
                     channel._candidates.clear()
