@@ -5,7 +5,7 @@ filesystem broker and a SQLite file in a fresh home) or the production pair (Red
 127.0.0.1:6379 with a queue of the case's own, and a PostgreSQL database on 127.0.0.1:5432
 created with asyncpg and dropped with ``WITH (FORCE)``).
 
-Workers are real ``celery worker`` processes (:mod:`tests.workers`), running the example
+Workers are real ``celery worker`` processes (:mod:`bench.workers`), running the example
 application through :func:`create_app`, named by ``RELAYR_APP``. It is the example unchanged,
 plus a count of every SQL transaction its engine begins, commits and rolls back, which each
 process writes to ``<home>/tx-counts/<pid>.json`` every :data:`COUNTS_EVERY_S` and when it

@@ -1,44 +1,34 @@
-"""The demo: the example application end to end, on embedded defaults, with a real worker.
+"""The demo's scenario: the example's events published, waited for, and counted.
 
-``relayr demo`` (and ``make demo``) starts from a fresh home of its own under
-``.relayr/demo-<time>-<pid>`` (so a second run starts clean), starts a ``relayr worker``
-subprocess, creates threads, publishes a mix of the example's two events (``deploy:finished``,
-whose rule posts a notice; ``incident:opened``, whose rule sends a message that starts an agent
-turn), runs the dispatcher in this process until every run and every turn has ended (bounded by
-a timeout), prints each thread's transcript and a summary, and exits 1 if any count is off.
+``relayr demo`` (:mod:`relayr.cli.demo`) runs it end to end: in a fresh home of its own under
+``.relayr/demo-<time>-<pid>`` (:func:`demo_home`, :func:`demo_environment`) it creates threads
+and publishes a mix of the example's two events (``deploy:finished``, whose rule posts a
+notice; ``incident:opened``, whose rule sends a message that starts an agent turn), waits until
+every run and every turn has ended, and checks the counts (:func:`summarize`).
 
 The pieces (:func:`publish_scenario`, :func:`wait_until_done`, :class:`Tally`) are the same ones
-the integration tests use against real workers on Redis and the filesystem broker, so what the
-demo checks is what the tests assert.
+the integration tests and the benchmarks use against real workers on Redis and the filesystem
+broker, so what the demo checks is what the tests assert. This module uses the engine only;
+dispatching on Celery is the command line's (:func:`relayr.cli.demo.run_scenario`).
 """
 
 import asyncio
-import json
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-import click
+from artifactr import UserActor as ArtifactUserActor
 from artifactr import Workspace as ArtifactWorkspace
 from artifactr.core import MessagePosted, RunEnded
 from reflexr import SourceActor
 from reflexr.core import FINISHED, load_event
 from reflexr.workspace import Workspace as RuleWorkspace
 
-from relayr.cli import (
-    WorkerProcessHandle,
-    cli_user,
-    format_entry,
-    read_thread,
-    serve_dispatcher,
-)
-from relayr.logging import configure_logging
 from relayr.runtime import Runtime
-from relayr.settings import Settings, child_environment
 
 TENANT: Final = "demo"
 WORKSPACE: Final = "ops"
@@ -59,8 +49,10 @@ DISPATCH_INTERVAL_S: Final = 0.5
 
 DEMO_PUBLISHER: Final = SourceActor(name="relayr-demo")
 
-CLI_USER: Final = cli_user()
-"""Who creates the demo's threads and reads them."""
+CLI_USER: Final = ArtifactUserActor(id="relayr-cli", name="relayr CLI")
+"""Who creates the demo's threads and reads them: the command line's user, as
+``relayr thread`` acts (``relayr.cli.threads.cli_user``), so the demo's threads read as made by
+hand."""
 
 
 @dataclass(frozen=True)
@@ -253,12 +245,6 @@ def summarize(plan: Plan, progress: Progress, runs_done_s: float | None) -> dict
     }
 
 
-@dataclass(frozen=True)
-class DemoResult:
-    summary: dict[str, Any]
-    transcripts: Mapping[str, Sequence[Any]]
-
-
 def demo_home(base: Path = Path(".relayr")) -> Path:
     """A fresh home for one demo run: ``.relayr/demo-<time>-<pid>``."""
     return (base / f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}").absolute()
@@ -287,94 +273,3 @@ def demo_environment(home: Path) -> dict[str, str]:
         "RELAYR_DISPATCH_INTERVAL_S": str(DISPATCH_INTERVAL_S),
         "RELAYR_LOG_FORMAT": "json",
     }
-
-
-async def run_scenario(
-    settings: Settings,
-    plan: Plan,
-    *,
-    timeout_s: float,
-    serve: Callable[[Runtime, asyncio.Event], Coroutine[Any, Any, None]] = serve_dispatcher,
-    tenant_id: str = TENANT,
-    workspace_id: str = WORKSPACE,
-) -> DemoResult:
-    """Publish ``plan`` and dispatch in this process until every run and turn ended.
-
-    Workers must be running elsewhere (on the same broker and database). ``serve`` is the
-    dispatcher loop; tests pass one that enqueues every run twice.
-    """
-    runtime = await Runtime.start(settings, role="dispatcher")
-    async with runtime:
-        stop = asyncio.Event()
-        dispatcher = asyncio.create_task(serve(runtime, stop))
-        try:
-            scenario = await publish_scenario(runtime, tenant_id, workspace_id, plan)
-            rules = await runtime.application.rules.open(
-                tenant_id, workspace_id, actor=DEMO_PUBLISHER
-            )
-            artifacts = await runtime.application.artifacts.open(
-                tenant_id, workspace_id, actor=CLI_USER
-            )
-            progress, runs_done_s = await wait_until_done(
-                rules, artifacts, plan, timeout_s=timeout_s
-            )
-        finally:
-            stop.set()
-            await dispatcher
-        summary = summarize(plan, progress, runs_done_s)
-        transcripts = {
-            thread_id: await read_thread(artifacts, thread_id) for thread_id in scenario.threads
-        }
-    return DemoResult(summary, transcripts)
-
-
-def print_transcripts(transcripts: Mapping[str, Sequence[Any]]) -> None:
-    for thread_id, entries in transcripts.items():
-        click.echo(f"== thread {thread_id}")
-        for entry in entries:
-            click.echo(format_entry(entry))
-        click.echo("")
-
-
-def print_summary(summary: dict[str, Any]) -> None:
-    click.echo("== summary")
-    for name in ("runs", "runs_succeeded", "notices", "messages", "turns", "replies"):
-        click.echo(f"{name:>15}: {summary[name]}")
-    click.echo(f"{'duplicates':>15}: {summary['duplicates']}")
-    click.echo(f"{'runs/s':>15}: {summary['runs_per_s']} ({summary['elapsed_s']} s end to end)")
-    if summary["ok"]:
-        click.echo("every count is as expected")
-    else:
-        for problem in summary["problems"]:
-            click.echo(f"OFF: {problem}")
-
-
-def run_demo(*, runs: int, concurrency: int, timeout_s: float, as_json: bool) -> int:
-    """``relayr demo``: returns the exit code (0 when every count is as expected)."""
-    home = demo_home()
-    home.mkdir(parents=True, exist_ok=True)
-    environment = demo_environment(home)
-    settings = Settings.from_env(environment)
-    configure_logging(settings.log_format, level="WARNING")
-    plan = Plan.of(runs)
-    log_path = home / "worker.log"
-    if not as_json:
-        click.echo(
-            f"demo: {plan.deploys} deploy:finished + {plan.incidents} incident:opened events, "
-            f"a worker of {concurrency} processes; home {home} (worker log: {log_path})"
-        )
-    with log_path.open("ab") as log:
-        worker = WorkerProcessHandle(
-            concurrency=concurrency, environment=child_environment(environment), output=log
-        )
-        try:
-            result = asyncio.run(run_scenario(settings, plan, timeout_s=timeout_s))
-        finally:
-            worker.stop(settings.turn_grace_s + 15.0)
-    summary = {**result.summary, "home": str(home)}
-    if as_json:
-        click.echo(json.dumps(summary))
-    else:
-        print_transcripts(result.transcripts)
-        print_summary(summary)
-    return 0 if summary["ok"] else 1

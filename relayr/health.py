@@ -1,4 +1,6 @@
-"""``relayr health``: is this worker or dispatcher alive, and can it reach the broker and database?
+"""Health: is this worker or dispatcher alive, and can it reach the broker and database?
+
+The checks behind ``relayr health`` (the command is :mod:`relayr.cli.health`).
 
 A probe runs every few seconds on every pod, so it must be cheap and must answer while the
 worker is busy. A Celery broadcast ping is neither: it goes through the broker, and a worker
@@ -27,7 +29,6 @@ with the same settings as the process it checks.
 """
 
 import asyncio
-import json
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -36,7 +37,6 @@ from pathlib import Path
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-import click
 from redis.asyncio import Redis
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
@@ -44,7 +44,6 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from relayr.broker.layout import queues_folder
-from relayr.errors import RelayrError
 from relayr.settings import Settings
 from relayr.supervisor import read_status, status_path
 
@@ -60,10 +59,6 @@ a dispatcher pass that ran for a minute (a pass normally takes well under a seco
 
 DEFAULT_TIMEOUT_S: Final = 5.0
 """How long the broker and the database each get to answer: inside a probe's usual 10 s."""
-
-EXIT_UNHEALTHY: Final = 1
-EXIT_BAD_INPUT: Final = 2
-"""As every ``relayr`` command: settings that cannot be used are bad input, not ill health."""
 
 
 @dataclass(frozen=True)
@@ -367,88 +362,3 @@ def heartbeat_step(path: Path, interval_s: float = HEARTBEAT_INTERVAL_S) -> type
             self.stop(worker)
 
     return Heartbeat
-
-
-class _BadSettings(click.ClickException):
-    exit_code = EXIT_BAD_INPUT
-
-
-def _settings(context: click.Context) -> Settings:
-    found = context.find_object(Settings)
-    if found is not None:
-        return found
-    try:
-        return Settings.from_env()
-    except RelayrError as error:
-        raise _BadSettings(error.message) from None
-
-
-@click.command("health")
-@click.option(
-    "--worker",
-    "role",
-    flag_value="worker",
-    help="Also check the worker's heartbeat (its main loop is turning).",
-)
-@click.option(
-    "--dispatcher",
-    "role",
-    flag_value="dispatcher",
-    help="Also check the dispatcher's heartbeat (its passes are running).",
-)
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=click.FloatRange(min=0.1),
-    default=DEFAULT_TIMEOUT_S,
-    show_default=True,
-    help="Seconds the broker and the database each get to answer.",
-)
-@click.option(
-    "--max-age",
-    "max_age_s",
-    type=click.FloatRange(min=1),
-    default=DEFAULT_MAX_AGE_S,
-    show_default=True,
-    help="Seconds a heartbeat may be old.",
-)
-@click.option(
-    "--liveness",
-    is_flag=True,
-    help="Check only the heartbeat, not the broker and database (for liveness probes).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
-@click.pass_context
-def health_command(
-    context: click.Context,
-    role: HealthRole | None,
-    timeout_s: float,
-    max_age_s: float,
-    liveness: bool,
-    as_json: bool,
-) -> None:
-    """Exit 0 if alive and the broker and database answer; else print why and exit 1.
-
-    Cheap enough for a probe every 10 s, and answers while the worker is busy: it reads the
-    heartbeat file's mtime, PINGs Redis and runs SELECT 1, without asking the worker anything.
-    """
-    if liveness and role is None:
-        raise click.UsageError("--liveness checks a heartbeat: give --worker or --dispatcher")
-    report = check_health(
-        _settings(context),
-        role,
-        timeout_s=timeout_s,
-        max_age_s=max_age_s,
-        dependencies=not liveness,
-    )
-    if as_json:
-        click.echo(json.dumps(report.as_dict()))
-    else:
-        click.echo(report.summary(), err=not report.ok)
-    if not report.ok:
-        context.exit(EXIT_UNHEALTHY)
-
-
-if __name__ == "__main__":
-    # `python -m relayr.health` is `relayr health` without the other commands' imports
-    health_command()

@@ -68,7 +68,7 @@ logger = structlog.get_logger("relayr.run")
 
 
 class WorkerProcess(Protocol):
-    """What the supervisor needs of a worker subprocess (``relayr.cli.WorkerProcessHandle``)."""
+    """What the supervisor needs of a worker subprocess (``relayr.cli.processes.RelayrProcess``)."""
 
     @property
     def pid(self) -> int: ...

@@ -21,7 +21,8 @@ from reflexr import SourceActor
 from relayr.broker import layout, queue_depth
 from relayr.broker.dead_letters import SET_ASIDE
 from relayr.broker.redis import dead_letter_list
-from relayr.demo import Plan, run_scenario
+from relayr.cli.demo import run_scenario
+from relayr.demo import Plan
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
@@ -128,7 +129,7 @@ def held_messages(settings: Settings) -> list[Path]:
 async def dispatching_until(settings: Settings, done: Any, *, publish: bool = False) -> Any:
     """Run the dispatcher (as ``relayr run`` does) until ``done(run)`` holds for the gated
     workspace's run; publish the gated event first if told to. Returns that run."""
-    from relayr.cli import serve_dispatcher
+    from relayr.cli.serve import serve_dispatcher
 
     runtime = await Runtime.start(settings, role="dispatcher")
     async with runtime:

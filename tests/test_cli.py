@@ -8,12 +8,11 @@ subprocess) and drives it with ``relayr thread create``, ``relayr publish`` and
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from click.testing import CliRunner, Result
 from reflexr import SourceActor
 
 from relayr.cli import cli
+from relayr.cli.processes import RelayrProcess, relayr_command
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tests.workers import REPO, relayr_environment
@@ -155,37 +155,29 @@ def test_publishing_an_id_again_adds_nothing(environment: dict[str, str]) -> Non
 
 
 @pytest.fixture
-def relayr_run(environment: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+def relayr_run(environment: dict[str, str]) -> Iterator[RelayrProcess]:
     """``relayr run``: the dispatcher here and a worker subprocess; stopped with Ctrl-C."""
-    log = Path(environment["RELAYR_HOME"]) / "run.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "relayr.cli", "run", "--concurrency", "1"],
-            cwd=REPO,
-            env=environment,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = RelayrProcess.start(
+        relayr_command("run", "--concurrency", "1"),
+        environment=environment,
+        cwd=REPO,
+        log_path=Path(environment["RELAYR_HOME"]) / "run.log",
+    )
     try:
         yield process
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
+        if process.alive():
+            process.signal(signal.SIGINT)
+            with suppress(subprocess.TimeoutExpired):
                 process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        with log.open() as text:
-            print(text.read()[-5000:])
+        process.kill()
+        print(process.log()[-5000:])
 
 
 @pytest.mark.worker
 @pytest.mark.slow
 def test_a_person_tries_the_rules_by_hand(
-    environment: dict[str, str], relayr_run: subprocess.Popen[bytes]
+    environment: dict[str, str], relayr_run: RelayrProcess
 ) -> None:
     created = invoke(environment, "thread", "create", "acme/ops", "--title", "release", "--json")
     assert created.exit_code == 0, created.output
@@ -218,7 +210,7 @@ def test_a_person_tries_the_rules_by_hand(
     shown = invoke(environment, "thread", "show", "acme/ops", thread_id)
     assert "[notice] external_agent:reflexr:ops:deploy-notice" in shown.stdout
 
-    relayr_run.send_signal(signal.SIGINT)
+    relayr_run.signal(signal.SIGINT)
     assert relayr_run.wait(60) == 0
 
 

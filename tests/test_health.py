@@ -64,7 +64,7 @@ class Ran:
     elapsed_s: float
 
 
-def health(environment: dict[str, str], *args: str, module: str = "relayr.health") -> Ran:
+def health(environment: dict[str, str], *args: str, module: str = "relayr.cli") -> Ran:
     """Run the health command in a process of its own, as a probe does."""
     command = [sys.executable, "-m", module]
     if module == "relayr.cli":

@@ -35,7 +35,8 @@ from hypothesis import strategies as st
 from reflexr.core import load_event
 
 from relayr import executor
-from relayr.demo import CLI_USER, DEMO_PUBLISHER, Plan, run_scenario
+from relayr.cli.demo import run_scenario
+from relayr.demo import CLI_USER, DEMO_PUBLISHER, Plan
 from relayr.dispatch import Dispatcher
 from relayr.errors import InvalidTask
 from relayr.runtime import Runtime

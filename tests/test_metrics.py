@@ -14,7 +14,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
 from relayr import metrics
+from relayr.cli.processes import RelayrProcess, relayr_command
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -300,15 +301,14 @@ PROBE_WORKER = textwrap.dedent(
 class ProbeWorker:
     """A real prefork Celery worker whose tasks record relayr metrics and which beats."""
 
-    process: subprocess.Popen[bytes]
-    log_path: Path
+    process: RelayrProcess
     queue: str
     broker_url: str
     directory: Path
     heartbeat: Path
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.process.log()
 
     @property
     def port(self) -> int:
@@ -320,18 +320,6 @@ class ProbeWorker:
     def send(self, app: Celery, *args: object) -> None:
         app.send_task("probe.record", args=list(args), queue=self.queue)
 
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        if self.process.poll() is None:
-            self.process.terminate()
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-        finally:
-            with suppress(ProcessLookupError):
-                os.killpg(self.process.pid, 9)
-            self.process.wait()
-
 
 @contextmanager
 def probe_worker(
@@ -341,7 +329,6 @@ def probe_worker(
     queue = f"relayr.test.probe.{uuid.uuid4().hex[:12]}"
     directory = tmp_path / "metrics"
     beat = heartbeat or tmp_path / "health" / "worker.heartbeat"
-    log_path = tmp_path / f"probe-{queue}.log"
     command = [
         sys.executable,
         "-c",
@@ -352,20 +339,14 @@ def probe_worker(
         str(beat),
         str(concurrency),
     ]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    worker = ProbeWorker(process, log_path, queue, broker_url, directory, beat)
+    process = RelayrProcess.start(
+        command, name=f"probe worker {queue}", cwd=REPO, log_path=tmp_path / f"probe-{queue}.log"
+    )
     try:
-        deadline = time.monotonic() + 60
-        while " ready." not in worker.log():
-            assert process.poll() is None, f"the worker exited:\n{worker.log()}"
-            assert time.monotonic() < deadline, f"the worker was not ready:\n{worker.log()}"
-            time.sleep(0.1)
-        yield worker
+        process.ready()
+        yield ProbeWorker(process, queue, broker_url, directory, beat)
     finally:
-        worker.stop()
+        process.stop(30.0)
 
 
 def wait_for(port: int, done: Callable[[Samples], bool]) -> Samples:
@@ -417,39 +398,23 @@ def test_a_prefork_worker_serves_the_sum_of_its_pool_processes(
 @pytest.mark.worker
 @pytest.mark.slow
 def test_a_relayr_worker_counts_a_small_load(tmp_path: Path, redis_url: str) -> None:
-    from relayr.demo import Plan, run_scenario
+    from relayr.cli.demo import run_scenario
+    from relayr.demo import Plan
     from relayr.settings import Settings
     from tests.workers import relayr_environment
 
     environment = relayr_environment(tmp_path, broker_url=redis_url)
     settings = Settings.from_env(environment)
-    port_file = tmp_path / "worker.log"
     plan = Plan(deploys=6, incidents=2)
     port = _free_port()
-    with port_file.open("wb") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relayr.cli",
-                "worker",
-                "--concurrency",
-                "2",
-                "--metrics-port",
-                str(port),
-            ],
-            cwd=REPO,
-            env=environment,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = RelayrProcess.start(
+        relayr_command("worker", "--concurrency", "2", "--metrics-port", str(port)),
+        environment=environment,
+        cwd=REPO,
+        log_path=tmp_path / "worker.log",
+    )
     try:
-        deadline = time.monotonic() + 60
-        while " ready." not in port_file.read_text(errors="replace"):
-            assert process.poll() is None, port_file.read_text(errors="replace")
-            assert time.monotonic() < deadline, port_file.read_text(errors="replace")
-            time.sleep(0.1)
+        worker.ready()
         result = asyncio.run(run_scenario(settings, plan, timeout_s=180))
         assert result.summary["problems"] == []
 
@@ -475,12 +440,7 @@ def test_a_relayr_worker_counts_a_small_load(tmp_path: Path, redis_url: str) -> 
             sample(samples, "relayr_attempt_duration_seconds_count", rule="ops:deploy-notice") == 6
         )
     finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        finally:
-            with suppress(ProcessLookupError):
-                os.killpg(process.pid, 9)
+        worker.stop()
 
 
 def _free_port() -> int:

@@ -23,7 +23,7 @@ import pytest
 from kombu.exceptions import EncodeError
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from relayr.ops_cli import BROKER_TRIES, is_transient_broker_fault
+from relayr.cli.runs import BROKER_TRIES, is_transient_broker_fault
 from tests.faults.private_redis import PrivateRedis, private_redis
 from tests.ops_app import FIXED
 from tests.test_ops_worker import GRANTED, WHERE, dispatching, ended, relayr, runs

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from relayr.batch import RunBatch
-from relayr.demo import Plan, run_scenario
+from relayr.cli.demo import run_scenario
+from relayr.demo import Plan
 from relayr.dispatch import Dispatcher
 from relayr.runtime import Runtime
 from relayr.settings import Settings

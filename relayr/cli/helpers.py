@@ -1,0 +1,159 @@
+"""What every ``relayr`` command shares: exit codes, bad input, settings, ids, JSON, the loop.
+
+One place for each, so every command answers the same way:
+
+- **Exit codes** (:data:`EXIT_BAD_INPUT` and the rest). Bad input (malformed arguments, invalid
+  settings, an allowlist or application that cannot be loaded, a thread or run that does not
+  exist) ends a command with one line on stderr, ``Error: ...`` naming what is wrong, and exit
+  code 2, before anything is written: :class:`BadInput`.
+- **Settings**: :func:`load_settings` reads them once; invalid ones are bad input.
+- **Ids**: :func:`parse_workspace` and :func:`parse_id`, one set of rules for what a tenant,
+  workspace, thread, run or event id typed on the command line may look like.
+- **JSON**: :func:`echo_json`, one object or list per line on stdout.
+- **The loop**: :func:`run_async` runs a command's coroutine on this process's one loop, and
+  turns relayr's refusals of the settings, application or allowlist into bad input;
+  :func:`in_runtime` does so with a :class:`relayr.runtime.Runtime`.
+
+This module imports click and relayr's settings only: every command module imports it, and
+``relayr --help`` imports every command module (ADR-0050).
+"""
+
+import json
+import re
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn
+
+import click
+
+from relayr.errors import InvalidAllowlist, InvalidApplication, InvalidSettings, RelayrError
+from relayr.settings import Settings
+
+if TYPE_CHECKING:
+    from relayr.runtime import Role, Runtime
+
+EXIT_OK: Final = 0
+EXIT_NOT_ALL_DONE: Final = 1
+"""``relayr runs``: some runs were refused, or retried but not enqueued (the broker is down)."""
+
+EXIT_UNHEALTHY: Final = 1
+"""``relayr health``: a check failed."""
+
+EXIT_PROBLEMS: Final = 1
+"""``relayr allowlist check``: the file has problems (what the check is for, not bad input)."""
+
+EXIT_BAD_INPUT: Final = 2
+"""Every command: arguments, settings, allowlist or application that cannot be used; nothing
+was written. A worker exits with it too, which ``relayr run`` reads as "cannot start"."""
+
+ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
+"""What a tenant, workspace, thread, run or event id typed on the command line may look like:
+it keeps shell accidents (spaces, slashes, empty parts) out of the store."""
+
+
+REFUSED_INPUTS: Final = (InvalidSettings, InvalidApplication, InvalidAllowlist)
+"""relayr's refusals of what a command was given to work with: bad input, wherever raised."""
+
+
+class BadInput(click.ClickException):
+    """Raised when a command's input or settings cannot be used: one line, exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+def fail(message: str) -> NoReturn:
+    """Stop the command: ``message`` is bad input."""
+    raise BadInput(message)
+
+
+class Where(NamedTuple):
+    """A workspace named on the command line as ``TENANT/WORKSPACE``."""
+
+    tenant_id: str
+    workspace_id: str
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}/{self.workspace_id}"
+
+
+def parse_workspace(value: str, *, what: str = "TENANT/WORKSPACE") -> Where:
+    """Split ``TENANT/WORKSPACE`` (``what`` names it in the error, e.g. ``--workspace``).
+
+    Raises:
+        BadInput: Naming the value, when it is not two ids joined by one ``/``.
+    """
+    tenant, slash, workspace = value.partition("/")
+    if not slash or not ID_PATTERN.fullmatch(tenant) or not ID_PATTERN.fullmatch(workspace):
+        fail(
+            f"{what} {value!r} is malformed: expected two ids joined by '/', "
+            "such as acme/ops (letters, digits and . _ : @ -)"
+        )
+    return Where(tenant, workspace)
+
+
+def parse_optional_workspace(value: str | None, *, what: str = "--workspace") -> Where | None:
+    """:func:`parse_workspace` for an option that may be left out."""
+    return None if value is None else parse_workspace(value, what=what)
+
+
+def parse_id(kind: str, value: str) -> str:
+    """Check an id typed on the command line; ``kind`` names it in the error (``THREAD``).
+
+    Raises:
+        BadInput: Naming the value, when it is not an id.
+    """
+    if not ID_PATTERN.fullmatch(value):
+        fail(f"{kind} {value!r} is malformed: letters, digits and . _ : @ - only")
+    return value
+
+
+def load_settings(*, log_level: str | None = "WARNING") -> Settings:
+    """Read the settings once; invalid ones stop the command as bad input.
+
+    With ``log_level``, logs go to stderr at that level and above, in the settings' format, so
+    stdout carries only what the command prints. None leaves logging as it is (a worker's
+    is Celery's).
+    """
+    try:
+        settings = Settings.from_env()
+    except RelayrError as error:
+        raise BadInput(error.message) from None
+    if log_level is not None:
+        from relayr.logging import configure_logging
+
+        configure_logging(settings.log_format, level=log_level)
+    return settings
+
+
+def echo_json(value: object) -> None:
+    """Print ``value`` as one line of JSON (dates and other objects as their strings)."""
+    click.echo(json.dumps(value, ensure_ascii=False, default=str))
+
+
+def run_async[T](main: Coroutine[Any, Any, T]) -> T:
+    """Run a command's coroutine on this process's loop, until it ends.
+
+    Raises:
+        BadInput: When relayr refuses the settings, allowlist or application
+            (:data:`REFUSED_INPUTS`) while the coroutine runs.
+    """
+    import asyncio
+
+    try:
+        return asyncio.run(main)
+    except REFUSED_INPUTS as error:
+        raise BadInput(error.message) from None
+
+
+def in_runtime[T](
+    settings: Settings, work: Callable[["Runtime"], Awaitable[T]], *, role: "Role" = "cli"
+) -> T:
+    """Run ``work`` on a runtime of this process (:func:`run_async`), then close the runtime."""
+
+    async def main() -> T:
+        from relayr.runtime import Runtime
+
+        runtime = await Runtime.start(settings, role=role)
+        async with runtime:
+            return await work(runtime)
+
+    return run_async(main())

@@ -1,0 +1,392 @@
+"""``relayr publish``: one event, or a file of them, into a workspace's log.
+
+One event: ``--data`` with its fields as a JSON object, and ``--id`` to publish it once. Many:
+``--data-file FILE`` (``-`` for stdin) with one JSON object per line, in one process:
+
+- **Everything is checked before the first write.** Each line must be a JSON object that is a
+  valid event (of EVENT_TYPE, or of the type its ``"type"`` names when EVENT_TYPE is left out);
+  the first bad line is refused with its number, exit code 2, and nothing is published.
+  Whether the application accepts each type from the command line is reflexr's to say, and it
+  says so before a transaction starts: the first transaction reaches past the first event of
+  every type in the file, so a refusal comes before anything is written.
+- **Few transactions.** reflexr's ``publish_many`` logs a list of events atomically, in one
+  transaction; the file goes in chunks of :data:`CHUNK_EVENTS`, so a large file neither holds
+  the database's write lock for long nor builds one huge transaction.
+- **Once.** ``--id-prefix P`` gives the event of line N the id ``P-N``: publishing the file again
+  adds nothing, and a file whose publishing stopped half way can be published again whole.
+- A progress bar on stderr when it is a terminal (tqdm), nothing otherwise.
+
+This command builds only the application's rules part (reflexr, ADR-0050): no artifactr.
+"""
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, Final
+
+import click
+
+from relayr.cli.helpers import (
+    EXIT_NOT_ALL_DONE,
+    BadInput,
+    Where,
+    echo_json,
+    fail,
+    load_settings,
+    parse_id,
+    parse_workspace,
+    run_async,
+)
+
+if TYPE_CHECKING:
+    from reflexr import Event
+
+    from relayr.settings import Settings
+
+CHUNK_EVENTS: Final = 500
+"""Events per transaction of ``--data-file``. reflexr logs a chunk atomically in one
+transaction; 500 keep each one well under a second on SQLite (the write lock is held that long)
+while making a 100,000-line file 200 transactions instead of 100,000."""
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of ``--data-file``: its number, its JSON object, and the event's id if given."""
+
+    number: int
+    data: dict[str, Any]
+    id: str | None
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One event of ``--data-file``, checked: the line it came from, the event, its id."""
+
+    number: int
+    event: "Event"
+    id: str | None
+
+
+def parse_data(value: str, *, where: str = "--data") -> dict[str, Any]:
+    """Read an event's fields as a JSON object; raise :class:`BadInput` naming the problem."""
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as error:
+        fail(f"{where} is not valid JSON: {error}")
+    if not isinstance(data, dict):
+        fail(f"{where} must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def describe(errors: Sequence[Any]) -> str:
+    """Pydantic's validation errors as one line: ``status: Field required; ...``."""
+    problems = []
+    for error in errors:
+        if isinstance(error, dict):
+            where = ".".join(str(part) for part in error.get("loc", ())) or "event"
+            problems.append(f"{where}: {error.get('msg', 'invalid')}")
+    return "; ".join(problems)
+
+
+def holds_nul(value: object) -> bool:
+    """Whether a string in ``value`` (a JSON value) holds a NUL character, which no storage
+    keeps (reflexr refuses it): checked here to name the line."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(holds_nul(key) or holds_nul(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(holds_nul(item) for item in value)
+    return False
+
+
+def load(event_type: str | None, data: dict[str, Any], *, where: str) -> "Event":
+    """The event ``data`` describes (of ``event_type``, or of the type it names).
+
+    Raises:
+        BadInput: Naming ``where`` and the problem, when it is no valid, known event.
+    """
+    from reflexr.core import UnknownEvent, ValidationFailed, load_event
+
+    if event_type is not None and "type" in data:
+        fail(f"{where} must not contain 'type': the event type is the EVENT_TYPE argument")
+    named = event_type if event_type is not None else data.get("type")
+    if not isinstance(named, str):
+        fail(f"{where} names no event type: give EVENT_TYPE, or 'type' on each line")
+    if holds_nul(data):
+        fail(f"{where}: text cannot hold a NUL character")
+    try:
+        event = load_event({**data, "type": named})
+    except ValidationFailed as invalid:
+        fail(f"{where}: invalid {named} event: {describe(invalid.errors) or invalid.message}")
+    if isinstance(event, UnknownEvent):
+        fail(f"{where}: unknown event type {named!r}")
+    return event
+
+
+def read_lines(file: IO[str], id_prefix: str | None) -> list[Line]:
+    """Every line of ``file`` as a JSON object; blank lines are skipped.
+
+    Raises:
+        BadInput: Naming the first line that is not a JSON object, by its number.
+    """
+    lines = []
+    for number, text in enumerate(file, start=1):
+        if not text.strip():
+            continue
+        data = parse_data(text, where=f"line {number} of {_name(file)}")
+        lines.append(Line(number, data, None if id_prefix is None else f"{id_prefix}-{number}"))
+    if not lines:
+        fail(f"{_name(file)} has no event: one JSON object per line")
+    return lines
+
+
+def load_lines(lines: Sequence[Line], event_type: str | None, source: str) -> list[Loaded]:
+    """Each line's event (once the application's event types are known).
+
+    Raises:
+        BadInput: Naming the first line that is no valid event of a known type.
+    """
+    return [
+        Loaded(
+            line.number,
+            load(event_type, line.data, where=f"line {line.number} of {source}"),
+            line.id,
+        )
+        for line in lines
+    ]
+
+
+def _name(file: IO[str]) -> str:
+    return "stdin" if file.name == "<stdin>" else str(file.name)
+
+
+def chunks(lines: Sequence[Loaded], size: int = CHUNK_EVENTS) -> list[Sequence[Loaded]]:
+    """``lines`` in transactions of ``size``, except the first, which reaches past the first
+    event of every type: reflexr checks a whole list before its transaction, so every type is
+    accepted or refused before anything is written."""
+    first_of_type: dict[str, int] = {}
+    for index, line in enumerate(lines):
+        first_of_type.setdefault(line.event.event_type, index)
+    first = max(size, max(first_of_type.values()) + 1)
+    return [lines[:first]] + [lines[i : i + size] for i in range(first, len(lines), size)]
+
+
+def refused_line(lines: Sequence[Loaded], message: str) -> int | None:
+    """The line of the first event whose type reflexr's refusal names, if it names one."""
+    for line in lines:
+        if message.startswith(f"{line.event.event_type} ") or message.endswith(
+            f" {line.event.event_type} does not exist"
+        ):
+            return line.number
+    return None
+
+
+@click.command()
+@click.argument("where", metavar="TENANT/WORKSPACE")
+@click.argument("event_type", required=False)
+@click.option(
+    "--data",
+    "data_text",
+    default=None,
+    help='The event\'s fields, as a JSON object (default: "{}").',
+)
+@click.option(
+    "--data-file",
+    type=click.File("r", encoding="utf-8"),
+    default=None,
+    help="Many events: one JSON object per line (with 'type' when EVENT_TYPE is left out); "
+    "'-' reads stdin. All are checked before the first is published.",
+)
+@click.option(
+    "--id",
+    "event_id",
+    default=None,
+    help="The event's id: publishing an id again adds nothing (idempotent).",
+)
+@click.option(
+    "--id-prefix",
+    default=None,
+    help="With --data-file: line N's event gets the id PREFIX-N, so publishing the file again "
+    "adds nothing.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def publish(
+    where: str,
+    event_type: str | None,
+    data_text: str | None,
+    data_file: IO[str] | None,
+    event_id: str | None,
+    id_prefix: str | None,
+    as_json: bool,
+) -> None:
+    """Publish an event, or a file of events, into a workspace's log; the dispatcher evaluates
+    the rules on them.
+
+    Examples: relayr publish acme/ops deploy:finished --data '{"service": "api",
+    "status": "succeeded", "thread_id": "thr_..."}'; relayr publish acme/ops --data-file
+    events.jsonl --id-prefix import-7
+    """
+    workspace = parse_workspace(where)
+    if event_type is not None:
+        parse_id("EVENT_TYPE", event_type)
+    if data_file is None:
+        if id_prefix is not None:
+            fail("--id-prefix numbers the lines of --data-file: use --id for one event")
+        if event_type is None:
+            fail("give EVENT_TYPE, or --data-file with 'type' on each line")
+        data = parse_data(data_text if data_text is not None else "{}")
+        if event_id is not None:
+            parse_id("--id", event_id)
+        _publish_one(load_settings(), workspace, event_type, data, event_id, as_json)
+        return
+    if data_text is not None:
+        fail("give --data or --data-file, not both")
+    if event_id is not None:
+        fail("--id names one event: with --data-file, use --id-prefix")
+    if id_prefix is not None:
+        parse_id("--id-prefix", id_prefix)
+    lines = read_lines(data_file, id_prefix)
+    settings = load_settings()
+    _publish_lines(settings, workspace, lines, event_type, _name(data_file), as_json)
+
+
+def _publisher() -> Any:
+    """Who publishes events from the command line, as reflexr records it."""
+    from reflexr import SourceActor
+
+    return SourceActor(name="relayr-cli")
+
+
+def _publish_one(
+    settings: "Settings",
+    workspace: Where,
+    event_type: str,
+    data: dict[str, Any],
+    event_id: str | None,
+    as_json: bool,
+) -> None:
+    from reflexr.core import Forbidden, NotFound
+
+    from relayr.parts import opened_rules
+
+    async def main() -> dict[str, Any]:
+        async with opened_rules(settings) as rules:
+            event = load(event_type, data, where="--data")
+            handle = await rules.open(
+                workspace.tenant_id, workspace.workspace_id, actor=_publisher()
+            )
+            try:
+                published = await handle.publish(event, id=event_id)
+            except NotFound:
+                fail(f"event type {event_type!r} is not one this application accepts")
+            except Forbidden as refused:
+                fail(f"event type {event_type!r} cannot be published: {refused.message}")
+        envelope = published.envelope
+        return {
+            "id": envelope.id,
+            "seq": envelope.seq,
+            "type": event_type,
+            "duplicate": published.duplicate,
+        }
+
+    result = run_async(main())
+    if as_json:
+        echo_json(result)
+    else:
+        again = " (already published: nothing added)" if result["duplicate"] else ""
+        click.echo(f"published {event_type} {result['id']} at seq {result['seq']}{again}")
+
+
+def _publish_lines(
+    settings: "Settings",
+    workspace: Where,
+    lines: Sequence[Line],
+    event_type: str | None,
+    source: str,
+    as_json: bool,
+) -> None:
+    from reflexr.core import Forbidden, NotFound
+
+    from relayr.parts import opened_rules
+
+    done: list[Any] = []
+    transactions = 0
+
+    async def main() -> None:
+        nonlocal transactions
+        async with opened_rules(settings) as rules:
+            parts = chunks(load_lines(lines, event_type, source))
+            handle = await rules.open(
+                workspace.tenant_id, workspace.workspace_id, actor=_publisher()
+            )
+            with _progress(len(lines)) as progress:
+                for index, part in enumerate(parts):
+                    try:
+                        published = await handle.publish_many(
+                            [line.event for line in part], ids=[line.id for line in part]
+                        )
+                    except (NotFound, Forbidden) as refused:
+                        if index > 0:
+                            raise
+                        number = refused_line(part, refused.message)
+                        at = f"line {number}: " if number is not None else ""
+                        fail(f"{at}{refused.message}; nothing was published")
+                    done.extend(published)
+                    transactions += 1
+                    progress.update(len(part))
+
+    try:
+        run_async(main())
+    except BadInput:
+        raise
+    except Exception as error:
+        if not done:
+            raise
+        last = lines[len(done) - 1].number
+        click.echo(
+            f"Error: published the events of lines 1-{last} ({len(done)}), not the rest: "
+            f"{type(error).__name__}: {error}; publishing the file again with --id-prefix adds "
+            "only what is missing",
+            err=True,
+        )
+        sys.exit(EXIT_NOT_ALL_DONE)
+    added = [result for result in done if not result.duplicate]
+    summary = {
+        "events": len(done),
+        "added": len(added),
+        "duplicates": len(done) - len(added),
+        "first_seq": min(result.envelope.seq for result in done),
+        "last_seq": max(result.envelope.seq for result in done),
+        "transactions": transactions,
+    }
+    if as_json:
+        echo_json(summary)
+    else:
+        again = f", {summary['duplicates']} already published" if summary["duplicates"] else ""
+        click.echo(
+            f"published {summary['added']} event(s) into {workspace}{again}, seq "
+            f"{summary['first_seq']}-{summary['last_seq']}, in {summary['transactions']} "
+            "transaction(s)"
+        )
+
+
+class _NoProgress:
+    def update(self, count: int) -> None:
+        """Nothing: stderr is not a terminal."""
+
+    def __enter__(self) -> "_NoProgress":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+
+def _progress(total: int) -> Any:
+    """A progress bar on stderr when it is a terminal (tqdm), else one that shows nothing."""
+    if not sys.stderr.isatty():
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="event", file=sys.stderr, leave=False)

@@ -1,0 +1,291 @@
+"""The long-running commands: ``relayr worker``, ``relayr dispatch`` and ``relayr run``.
+
+- ``relayr worker``: a Celery worker for relayr's run tasks (prefork: one event loop per pool
+  process, :mod:`tasks.worker`). It refuses to start when its allowlist or application cannot be
+  loaded: exit code 2, which ``relayr run`` reads as "cannot start" (ADR-0033).
+- ``relayr dispatch``: the dispatcher: evaluates rules and queues each due run once per attempt,
+  refreshing its heartbeat after each pass (ADR-0031).
+- ``relayr run``: both on one machine: the dispatcher here, and a worker subprocess
+  (:class:`relayr.cli.processes.RelayrProcess`) that :mod:`relayr.supervisor` starts again when
+  it exits.
+
+Celery, the libraries and the application are imported when a command runs, not when this module
+is imported: ``relayr --help`` imports it to print the commands (ADR-0050).
+"""
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import click
+
+from relayr.cli.helpers import EXIT_BAD_INPUT, BadInput, in_runtime, load_settings
+from relayr.settings import Settings
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from relayr.runtime import Runtime
+
+METRICS_ADDRESS: Final = "0.0.0.0"
+"""Where ``--metrics-port`` listens: every IPv4 interface, so Prometheus can scrape a pod."""
+
+WORKER_STOP_MARGIN_S: Final = 15.0
+"""Beyond the turns' grace, how long a stopping worker subprocess may take before it is
+killed (its pool processes close their runtimes one after the other)."""
+
+metrics_port_option = click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    default=None,
+    help="Serve Prometheus metrics on this port.",
+)
+
+
+@click.command()
+@click.option(
+    "--concurrency",
+    "-c",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Pool processes: runs executed at once.",
+)
+@click.option(
+    "--loglevel",
+    "-l",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+@click.option(
+    "--hostname",
+    "-n",
+    default="relayr@%h",
+    show_default=True,
+    help="The worker's node name (Celery's %h is this host).",
+)
+@click.option(
+    "--pool",
+    "-P",
+    default="prefork",
+    show_default=True,
+    type=click.Choice(["prefork", "solo"]),
+    help="prefork in production: time limits only work there.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    default=None,
+    help="Serve Prometheus metrics of every pool process on this port.",
+)
+def worker(
+    concurrency: int, loglevel: str, hostname: str, pool: str, metrics_port: int | None
+) -> None:
+    """Run a Celery worker for relayr's run tasks (the queue is RELAYR_QUEUE)."""
+    settings = load_settings(log_level=None)
+    check_worker_inputs(settings)
+    from tasks.app import create_celery
+
+    app = create_celery(settings)
+    # before the pool forks, so every pool process writes where this process serves from
+    server = serve_metrics(metrics_port, settings.home, "worker", per_process=True)
+    try:
+        app.worker_main(
+            [
+                "worker",
+                f"--queues={settings.queue}",
+                f"--concurrency={concurrency}",
+                f"--loglevel={loglevel.upper()}",
+                f"--hostname={hostname}",
+                f"--pool={pool}",
+                "--without-gossip",
+                "--without-mingle",
+            ]
+        )
+    finally:
+        if server is not None:
+            server.close()
+
+
+def check_worker_inputs(settings: Settings) -> None:
+    """Refuse to start a worker whose allowlist or application cannot be loaded.
+
+    Pool processes load both when they start; without this check a worker would start, and
+    every run would fail in its pool processes instead.
+    """
+    problem = worker_input_problem(settings)
+    if problem is not None:
+        raise BadInput(problem)
+
+
+def worker_input_problem(settings: Settings) -> str | None:
+    """What keeps a worker from starting (its allowlist or application), or None."""
+    from relayr.allowlist import load_allowlist
+    from relayr.application import load_factory
+    from relayr.errors import RelayrError
+
+    try:
+        load_allowlist(settings.allowlist)
+        load_factory(settings.app)
+    except RelayrError as error:
+        return error.message
+    return None
+
+
+def serve_metrics(
+    port: int | None, home: Path, role: Literal["worker", "dispatcher"], *, per_process: bool
+) -> Any:  # a relayr.metrics.MetricsServer, or None without a port
+    """Start ``/metrics`` on ``port`` (ADR-0030); ``per_process`` for a worker and its pool."""
+    if port is None:
+        return None
+    from relayr.metrics import metrics_directory, start_metrics_server
+
+    directory = metrics_directory(home, role) if per_process else None
+    # every IPv4 interface, as a scrape target must be reachable ("" fails on some hosts)
+    return start_metrics_server(port, directory, addr=METRICS_ADDRESS)
+
+
+async def serve_dispatcher(runtime: "Runtime", stop: "asyncio.Event") -> None:
+    """Run the dispatcher on ``runtime`` until ``stop`` is set, queueing runs on Celery.
+
+    The dispatcher refreshes its heartbeat after each pass that ended, for
+    ``relayr health --dispatcher``: a pass stuck on storage stops the beat (ADR-0031).
+    """
+    from relayr.batch import RunBatch
+    from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
+    from relayr.health import heartbeat_path, touch_heartbeat
+    from tasks.app import create_celery
+    from tasks.runs import send_runs
+
+    heartbeat = heartbeat_path(runtime.settings.home, "dispatcher")
+
+    class BeatingDispatcher(Dispatcher):
+        async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
+            done = await super().pass_once(enqueue)
+            touch_heartbeat(heartbeat)
+            return done
+
+    app = create_celery(runtime.settings)
+    queue = runtime.settings.queue
+
+    async def enqueue(batch: RunBatch) -> None:
+        send_runs(app, queue, batch)
+
+    try:
+        await BeatingDispatcher(runtime).serve(enqueue, stop)
+    finally:
+        heartbeat.unlink(missing_ok=True)
+
+
+def stop_on_signals(stop: "asyncio.Event") -> None:
+    """Set ``stop`` on Ctrl-C or SIGTERM."""
+    import asyncio
+    import signal
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+
+
+@click.command()
+@metrics_port_option
+def dispatch(metrics_port: int | None) -> None:
+    """Run the dispatcher: evaluate rules, queue due runs for the workers (until Ctrl-C)."""
+    settings = load_settings(log_level="INFO")
+
+    async def work(runtime: "Runtime") -> None:
+        import asyncio
+
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+        await serve_dispatcher(runtime, stop)
+
+    server = serve_metrics(metrics_port, settings.home, "dispatcher", per_process=False)
+    try:
+        in_runtime(settings, work, role="dispatcher")
+    finally:
+        if server is not None:
+            server.close()
+
+
+@click.command()
+@click.option(
+    "--concurrency",
+    "-c",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="The worker's pool processes.",
+)
+@click.option(
+    "--restart-delay",
+    "restart_delay_s",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    help="Seconds before a worker that exited is started again; doubles with each exit in a "
+    "row.  [default: 1]",
+)
+@click.option(
+    "--restart-delay-max",
+    "restart_delay_max_s",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    help="The longest wait between starts of a worker that keeps exiting.  [default: 30]",
+)
+def run(concurrency: int, restart_delay_s: float | None, restart_delay_max_s: float | None) -> None:
+    """Run the main job on one machine: the dispatcher here, a worker in a subprocess.
+
+    A worker that exits is started again after a back-off (--restart-delay, doubling up to
+    --restart-delay-max, back to the first after a minute up); each exit and start is logged,
+    and `relayr health --worker` is unhealthy while it is down. A worker whose settings,
+    allowlist or application cannot be loaded is not started again: relayr run stops with one
+    line and exit code 2. Ctrl-C or SIGTERM stops the dispatcher, then the worker (warm
+    shutdown), and exits 0.
+    """
+    # the defaults are the supervisor's, imported here: relayr.supervisor loads asyncio and
+    # structlog, which --help must not (the test of this module's help checks the two agree)
+    from relayr.supervisor import RESTART_DELAY_MAX_S, RESTART_DELAY_S
+
+    restart_delay_s = RESTART_DELAY_S if restart_delay_s is None else restart_delay_s
+    if restart_delay_max_s is None:
+        restart_delay_max_s = RESTART_DELAY_MAX_S
+    if restart_delay_max_s < restart_delay_s:
+        raise BadInput(
+            f"--restart-delay-max {restart_delay_max_s:g} is below --restart-delay "
+            f"{restart_delay_s:g}"
+        )
+    settings = load_settings(log_level="INFO")
+    check_worker_inputs(settings)
+    from relayr.cli.processes import RelayrProcess, relayr_command
+    from relayr.supervisor import RestartPolicy, WorkerSupervisor, status_path
+
+    worker_command = relayr_command("worker", "--concurrency", str(concurrency))
+    supervisor = WorkerSupervisor(
+        lambda: RelayrProcess.start(worker_command, name="relayr worker"),
+        status_path(settings.home),
+        policy=RestartPolicy(first_s=restart_delay_s, max_s=restart_delay_max_s),
+        stop_timeout_s=settings.turn_grace_s + WORKER_STOP_MARGIN_S,
+    )
+    supervisor.start()
+    try:
+
+        async def work(runtime: "Runtime") -> str:
+            import asyncio
+
+            stop = asyncio.Event()
+            stop_on_signals(stop)
+            dispatcher = asyncio.create_task(serve_dispatcher(runtime, stop))
+            try:
+                return await supervisor.supervise(stop, alongside=dispatcher)
+            finally:
+                stop.set()
+                await dispatcher
+
+        supervised = in_runtime(settings, work, role="dispatcher")
+    finally:
+        supervisor.stop()
+    if supervised == "cannot_start":
+        problem = worker_input_problem(settings) or (
+            f"it exited with code {EXIT_BAD_INPUT}, bad input (its error is above)"
+        )
+        raise BadInput(f"the worker cannot start, so relayr run stops: {problem}")

@@ -1,0 +1,133 @@
+"""``relayr thread create`` and ``relayr thread show``: open a thread, read what was written in it.
+
+A person trying a rule by hand creates a thread, publishes an event that names it, and reads
+the thread: people's messages, the rules' notices (marked ``[notice]``) and messages, and the
+agent's replies. These commands build only the application's artifacts part (artifactr,
+ADR-0050): no reflexr, no agent, no actions.
+"""
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import click
+
+from relayr.cli.helpers import echo_json, fail, load_settings, parse_id, parse_workspace, run_async
+
+if TYPE_CHECKING:
+    from artifactr import UserActor
+    from artifactr import Workspace as ArtifactWorkspace
+
+CLI_USER_ID = "relayr-cli"
+CLI_USER_NAME = "relayr CLI"
+"""Who creates threads and reads them from the command line, as artifactr records it
+(``user:relayr-cli``); the demo acts as the same user (:data:`relayr.demo.CLI_USER`)."""
+
+
+@dataclass(frozen=True)
+class ThreadEntry:
+    """One message of a thread, as ``relayr thread show`` prints it."""
+
+    id: str
+    kind: str
+    author: str
+    content: str
+    seq: int
+
+
+def cli_user() -> "UserActor":
+    """The command line's artifactr user (:data:`CLI_USER_ID`)."""
+    from artifactr import UserActor
+
+    return UserActor(id=CLI_USER_ID, name=CLI_USER_NAME)
+
+
+async def read_thread(workspace: "ArtifactWorkspace", thread_id: str) -> list[ThreadEntry]:
+    """Every message of a thread, in order: people's, the rules' and the agent's."""
+    from artifactr.core import MessagePosted
+
+    entries = []
+    for envelope in await workspace.read(threads={thread_id}):
+        event = envelope.event
+        if isinstance(event, MessagePosted) and event.thread_id == thread_id:
+            entries.append(
+                ThreadEntry(
+                    id=event.message_id,
+                    kind=event.kind,
+                    author=envelope.actor.participant,
+                    content=event.content,
+                    seq=envelope.seq,
+                )
+            )
+    return entries
+
+
+def format_entry(entry: ThreadEntry) -> str:
+    """One message for people: ``#seq [notice] author (id)``, then its content, indented."""
+    marker = "[notice]" if entry.kind == "notice" else "[message]"
+    content = entry.content.replace("\n", "\n    ")
+    return f"#{entry.seq} {marker} {entry.author} ({entry.id})\n    {content}"
+
+
+@click.group()
+def thread() -> None:
+    """Create artifactr threads and read them."""
+
+
+@thread.command("create")
+@click.argument("where", metavar="TENANT/WORKSPACE")
+@click.option("--title", required=True, help="The thread's title.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"id": ...}.')
+def thread_create(where: str, title: str, as_json: bool) -> None:
+    """Create a thread and print its id."""
+    workspace = parse_workspace(where)
+    settings = load_settings()
+
+    async def main() -> str:
+        from relayr.parts import opened_artifacts
+
+        async with opened_artifacts(settings) as artifacts:
+            handle = await artifacts.open(
+                workspace.tenant_id, workspace.workspace_id, actor=cli_user()
+            )
+            return (await handle.create_thread(title)).id
+
+    thread_id = run_async(main())
+    if as_json:
+        echo_json({"id": thread_id})
+    else:
+        click.echo(thread_id)
+
+
+@thread.command("show")
+@click.argument("where", metavar="TENANT/WORKSPACE")
+@click.argument("thread_id", metavar="THREAD")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print a JSON list of {id, kind, author, content, seq}."
+)
+def thread_show(where: str, thread_id: str, as_json: bool) -> None:
+    """Print every message of a thread: notices, messages and the agent's replies."""
+    workspace = parse_workspace(where)
+    parse_id("THREAD", thread_id)
+    settings = load_settings()
+
+    async def main() -> list[ThreadEntry]:
+        from artifactr.core import NotFound
+
+        from relayr.parts import opened_artifacts
+
+        async with opened_artifacts(settings) as artifacts:
+            handle = await artifacts.open(
+                workspace.tenant_id, workspace.workspace_id, actor=cli_user()
+            )
+            try:
+                await handle.thread(thread_id)
+            except NotFound:
+                fail(f"thread {thread_id} does not exist in {workspace}")
+            return await read_thread(handle, thread_id)
+
+    entries = run_async(main())
+    if as_json:
+        echo_json([asdict(entry) for entry in entries])
+    else:
+        for entry in entries:
+            click.echo(format_entry(entry))
