@@ -4,7 +4,7 @@
 application turns published events into committed notices: one ``deploy:finished`` event per
 ``publish`` call (one SQL transaction each, as a source publishes), the dispatcher in this
 process (reflexr's evaluation, then each due run enqueued on Celery), and ``celery worker``
-processes (:mod:`tests.workers`) executing the runs. Every case has a storage of its own
+processes (:mod:`bench.workers`) executing the runs. Every case has a storage of its own
 (:func:`bench.common.case_storage`).
 
 Figures, per case, one JSON object per line on stdout:
@@ -76,13 +76,13 @@ from bench.common import (
     storage_available,
     total,
 )
+from bench.workers import WorkerProcess, relayr_environment, start_worker
 from relayr.batch import RunBatch
 from relayr.demo import CLI_USER, DEPLOYS_PER_THREAD, RULE_AUTHOR_PREFIX
 from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tasks.runs import OUTCOMES, send_runs
-from tests.workers import WorkerProcess, relayr_environment, start_worker
 
 type WorkerMode = Literal["prefork", "separate"]
 
