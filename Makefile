@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint format typecheck bench clean
+.PHONY: demo test check lint format typecheck imports bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/relayr demo
 
-check: lint typecheck
+check: lint typecheck imports
 
 lint: $(STAMP)
 	$(BIN)/ruff check relayr tasks rules tests bench
@@ -24,6 +24,10 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+# the layers (pyproject.toml's [tool.importlinter]): relayr.cli alone composes the engine with tasks
+imports: $(STAMP)
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format relayr tasks rules tests bench
