@@ -37,7 +37,8 @@ test: check
 	$(BIN)/pytest
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.end_to_end
+	$(BIN)/python -m bench.targets
+	$(BIN)/python -m bench.broker
 
 clean:
 	rm -rf $(VENV) .relayr .pytest_cache .mypy_cache .ruff_cache

@@ -22,6 +22,7 @@ Figures, per case, one JSON object per line on stdout:
   processes, this process (publisher, dispatcher, poller) and PostgreSQL's backends;
 - ``rss_kib``: each pool process's peak (``VmHWM``) and current RSS after the case;
 - ``outcomes``: what the workers' run tasks did (``succeeded``, and declined duplicates);
+- ``copies``: runs the dispatcher enqueued again because it presumed their message lost;
 - ``floor_ms_per_commit`` and ``ratio_to_floor``: :mod:`bench.floor` on the same storage.
 
 "Workers" is the number of pool processes: one ``celery worker`` with prefork concurrency 1 or
@@ -145,13 +146,15 @@ class Planned:
 
 
 class CountingDispatcher(Dispatcher):
-    """relayr's dispatcher, counting its passes."""
+    """relayr's dispatcher, counting its passes and the runs it enqueued again (copies)."""
 
     passes = 0
+    copies = 0
 
     async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
         done = await super().pass_once(enqueue)
         self.passes += 1
+        self.copies += done.again
         return done
 
 
@@ -293,6 +296,7 @@ class Probe:
             "workers": total(read_counts(self.home, self.pool)),
             "engines": {label: counter.snapshot() for label, counter in self.counters.items()},
             "passes": self.dispatcher.passes,
+            "copies": self.dispatcher.copies,
             "cpu": {
                 "worker_main": sum(cpu_s(pid) for pid in self.mains),
                 "pool": sum(cpu_s(pid) for pid in self.pool),
@@ -364,6 +368,7 @@ def round_figures(
     complete = len(notices)
     return {
         "notices": complete,
+        "copies": after["copies"] - before["copies"],
         "complete": complete == n,
         "elapsed_s": None if elapsed_s is None else round(elapsed_s, 3),
         "runs_per_s": round(complete / elapsed_s, 2) if elapsed_s else None,

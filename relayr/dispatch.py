@@ -1,8 +1,9 @@
 """The dispatcher: decide which runs exist, and hand each due run to a queue, once per attempt.
 
-Each pass ticks reflexr's schedules (when the application has any) and evaluates the rules of
-every workspace (reflexr's ``Reactor`` does both, under its per-workspace evaluation lease, so
-any number of dispatchers can run), then reads the runs that are due from the store: pending
+Each pass ticks reflexr's schedules (when the application has any, with reflexr's ``Reactor``)
+and evaluates the rules of every workspace, each in one transaction up to the log's head as the
+pass found it (:mod:`relayr.evaluation`; any number of dispatchers can run), then reads the runs
+that are due from the store: pending
 and retrying runs whose time has come and that are first in their scope, and ``running`` runs
 whose lease lapsed because their worker died. Due runs of one workspace go to the queue
 together, up to :data:`relayr.batch.MAX_BATCH_RUNS` per message (:class:`RunBatch`); a run
@@ -43,6 +44,7 @@ from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
 from relayr import broker
 from relayr.batch import MAX_BATCH_RUNS, RunBatch
+from relayr.evaluation import evaluate_all
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 
@@ -166,7 +168,7 @@ class Dispatcher:
                 the next pass starts over. A failing ``enqueue`` is counted, not raised.
         """
         ticks = await self._reactor.tick() if self._rules.schedules else 0
-        firings = await self._reactor.evaluate()
+        firings = await evaluate_all(self._rules)
         policy = RunPolicy.of(self._rules.rules.values())
         due = await self._rules.storage.due_runs(
             now=self._rules.clock(), limit=self._limit, policy=policy

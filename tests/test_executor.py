@@ -337,7 +337,10 @@ async def test_a_missing_run_does_nothing(harness: Harness) -> None:
     executed = await harness.execute("fir_0000000000000000")
 
     assert executed == Executed(
-        "missing", None, f"run fir_0000000000000000 does not exist in {TENANT}/{WORKSPACE}"
+        "missing",
+        None,
+        f"run fir_0000000000000000 does not exist in {TENANT}/{WORKSPACE}",
+        "fir_0000000000000000",
     )
     assert await harness.head() == head
 

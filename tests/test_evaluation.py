@@ -1,0 +1,218 @@
+"""relayr's evaluation against reflexr's reactor, on real storage: the same runs, facts and state.
+
+One log is evaluated by reflexr's ``Reactor.evaluate`` in one storage and by
+:func:`relayr.evaluation.evaluate_all` in another; the runs they create (ids are derived from
+the rule, scope and seq, so they compare across storages), the rules' cursors and the facts
+they append must be the same. Then what only relayr's does: one transaction per workspace and
+pass, a bound at the pass's head, and two evaluators at once firing each run once.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from reflexr import Event, F, Rule, SourceActor, by, on, run
+from reflexr.core import Envelope
+from reflexr.workspace import Reaction, Reactor, WorkspaceRef
+from reflexr.workspace import Workspaces as RuleWorkspaces
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from relayr import evaluation
+from relayr.application import open_storage
+from relayr.evaluation import evaluate_all, evaluate_workspace
+from relayr.settings import Settings
+
+TENANT, WORKSPACE = "acme", "evals"
+REF = WorkspaceRef(TENANT, WORKSPACE)
+
+
+class EvalEvent(Event, abstract=True, event_namespace="evaltest"):
+    pass
+
+
+class Reading(EvalEvent, name="reading"):
+    sensor: str
+    value: int
+
+
+RULES = [
+    Rule(name="eval:every", when=on(Reading), then=run("act"), start="beginning"),
+    Rule(
+        name="eval:high",
+        when=on(Reading).where(F.value >= 7),
+        scope=by(F.sensor),
+        then=run("act"),
+        start="beginning",
+    ),
+    Rule(
+        name="eval:twice",
+        when=on(Reading).count(at_least=2, within=timedelta(hours=1)),
+        scope=by(F.sensor),
+        then=run("act"),
+        ordering="none",
+        start="beginning",
+    ),
+]
+
+
+async def act(reaction: Reaction[None]) -> None:
+    return None
+
+
+READINGS = [Reading(sensor=f"s{i % 3}", value=i % 10) for i in range(40)]
+
+
+_ENGINES: list[AsyncEngine] = []
+"""Engines the tests opened, disposed of after each test (:func:`disposed`)."""
+
+
+async def _workspaces(url: str, rules: list[Rule] = RULES) -> RuleWorkspaces:
+    storage = await open_storage(Settings(database_url=url))
+    _ENGINES.extend(storage.engines)
+    return RuleWorkspaces(storage.rules, events=[Reading], rules=rules)
+
+
+@pytest.fixture(autouse=True)
+async def disposed() -> AsyncIterator[None]:
+    yield
+    while _ENGINES:
+        await _ENGINES.pop().dispose()
+
+
+async def _publish(rules: RuleWorkspaces, readings: list[Reading]) -> None:
+    source = await rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
+    for index, reading in enumerate(readings):
+        await source.publish(reading, id=f"reading-{index}")
+
+
+async def _picture(rules: RuleWorkspaces) -> tuple[object, ...]:
+    """What evaluation left: runs, cursors, and the log's event types, comparable across stores."""
+    source = await rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
+    runs = sorted((r.id, r.rule, r.scope_key, r.matched) for r in await source.runs(limit=1000))
+    progress = await rules.storage.progress(REF)
+    cursors = {name: p.cursor for name, p in progress.items()}
+    log: list[Envelope] = await rules.storage.read(REF)
+    types = sorted(e.event_type for e in log)
+    return runs, cursors, types
+
+
+@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
+    found = request.getfixturevalue("postgres_url")
+    assert isinstance(found, str)
+    return found
+
+
+@pytest.fixture
+async def reference() -> RuleWorkspaces:
+    """reflexr's own reactor over the same events, in memory."""
+    rules = await _workspaces("memory://")
+    await _publish(rules, READINGS[:25])
+    reactor = Reactor(rules, actions={"act": act})
+    await reactor.evaluate()
+    await _publish(rules, READINGS[25:])
+    await reactor.evaluate()
+    return rules
+
+
+async def test_relayr_evaluates_as_reflexr_does(url: str, reference: RuleWorkspaces) -> None:
+    rules = await _workspaces(url)
+    await _publish(rules, READINGS[:25])
+    first = await evaluate_all(rules)
+    await _publish(rules, READINGS[25:])
+    second = await evaluate_all(rules)
+
+    assert await _picture(rules) == await _picture(reference)
+    assert first + second == len((await _picture(reference))[0])
+
+
+async def test_one_workspace_costs_one_transaction(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
+    rules = await _workspaces(url)
+    await _publish(rules, READINGS)
+    begun: list[object] = []
+    counted = await _workspaces(url)
+    [engine] = _ENGINES[-1:]
+    event.listen(engine.sync_engine, "begin", lambda connection: begun.append(connection))
+
+    evaluated = await evaluate_workspace(counted, REF)
+
+    assert evaluated.caught_up
+    assert evaluated.firings > 0
+    assert len(begun) == 1
+
+
+async def test_a_pass_stops_at_the_head_it_found(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Envelopes appended after the pass read the head wait for the next pass."""
+    monkeypatch.setattr(evaluation, "BATCH_ENVELOPES", 10)
+    rules = await _workspaces(url)
+    await _publish(rules, READINGS[:30])
+    head = await rules.storage.head_seq(REF)
+
+    first = await evaluate_workspace(rules, REF, up_to=head)
+    assert (first.up_to, first.caught_up) == (head, False)
+    while not (done := await evaluate_workspace(rules, REF, up_to=head)).caught_up:
+        pass
+    progress = await rules.storage.progress(REF)
+
+    assert done.up_to == head
+    assert {p.cursor for p in progress.values()} == {head}
+
+
+async def test_two_evaluators_at_once_fire_each_run_once(
+    url: str, reference: RuleWorkspaces
+) -> None:
+    if url == "memory://":
+        pytest.skip("two evaluators need one storage shared by two engines")
+    rules = await _workspaces(url)
+    other = await _workspaces(url)
+    await _publish(rules, READINGS[:25])
+    await asyncio.gather(evaluate_all(rules), evaluate_all(other))
+    await _publish(rules, READINGS[25:])
+    await asyncio.gather(evaluate_all(rules), evaluate_all(other))
+
+    assert await _picture(rules) == await _picture(reference)
+
+
+async def test_a_changed_rule_starts_again_at_the_head(url: str) -> None:
+    rules = await _workspaces(url)
+    await _publish(rules, READINGS[:10])
+    await evaluate_all(rules)
+    changed = [
+        rule.model_copy(update={"description": "changed"}) if rule.name == "eval:every" else rule
+        for rule in RULES
+    ]
+    changed[0] = changed[0].model_copy(update={"when": on(Reading).where(F.value >= 5)})
+    again = RuleWorkspaces(rules.storage, events=[Reading], rules=changed)
+    head = await rules.storage.head_seq(REF)
+
+    await evaluate_all(again)
+    log = await rules.storage.read(REF, after_seq=head)
+
+    assert [e.event_type for e in log] == ["reflexr:rule_reset"]
+    assert (await rules.storage.progress(REF))["eval:every"].cursor == head
+
+
+async def test_a_disabled_rule_keeps_its_cursor(url: str) -> None:
+    rules = await _workspaces(url)
+    await _publish(rules, READINGS[:5])
+    await evaluate_all(rules)
+    held = [
+        rule.model_copy(update={"enabled": False}) if rule.name == "eval:every" else rule
+        for rule in RULES
+    ]
+    paused = RuleWorkspaces(rules.storage, events=[Reading], rules=held)
+    before = (await rules.storage.progress(REF))["eval:every"].cursor
+    await _publish(rules, READINGS[5:10])
+
+    await evaluate_all(paused)
+
+    assert (await rules.storage.progress(REF))["eval:every"].cursor == before
+    assert (await rules.storage.progress(REF))["eval:high"].cursor > before
