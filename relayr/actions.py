@@ -423,7 +423,7 @@ class RunActions:
                 raise _failure(refused, f"asking for the turn of message {message_id}") from None
         except Rejection as refused:
             raise _failure(refused, f"sending message {message_id}") from None
-        self._bridge.turns.started(started)
+        self._bridge.turns.started(started, again=lambda: runner.ask(handle, thread))
         record = self._record("message", "turn", outcome, thread, message_id, content)
         self.pending.emission(record)
         self._emitted(record, turn=None if started is None else started.run_id)

@@ -6,17 +6,27 @@ long-lived loop after it forks, and hands it to every run as the reaction's ``de
 """
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
+import structlog
 from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.agent import RunHandle, Runner
 
 from relayr import metrics
 from relayr.allowlist import Allowlists
 from relayr.ledger.port import Ledger
+from relayr.transient import BACKOFF_S, TRIES, is_transient, retried
+
+type Ask = Callable[[], Awaitable[RunHandle | None]]
+"""Asks for a thread's next turn again (``Runner.ask`` on the turn's workspace and thread)."""
+
+ASK_AGAIN_TRIES: Final = TRIES
+"""How often a turn that failed to start on a transient storage fault is asked for again."""
+
+logger = structlog.get_logger("relayr.bridge")
 
 
 def utc_now() -> datetime:
@@ -25,16 +35,52 @@ def utc_now() -> datetime:
 
 @dataclass
 class Turns:
-    """The agent turns this process started, so a shutdown can give them a grace period."""
+    """The agent turns this process started, so a shutdown can give them a grace period.
+
+    A turn that fails on a transient storage fault (a dropped connection) before it took its
+    message leaves the message untaken: artifactr's Runner leaves it to the thread's next
+    command, and a rule's message may have no next command. So such a turn is asked for again,
+    a few times (``again``): ``Runner.ask`` starts the turn the message still waits for, or
+    does nothing if a turn took it.
+    """
 
     handles: set[RunHandle] = field(default_factory=set)
+    asking: set["asyncio.Task[None]"] = field(default_factory=set)
 
-    def started(self, handle: RunHandle | None) -> None:
+    def started(self, handle: RunHandle | None, *, again: Ask | None = None) -> None:
+        self._track(handle, again, ASK_AGAIN_TRIES)
+
+    def _track(self, handle: RunHandle | None, again: Ask | None, tries: int) -> None:
         if handle is None or handle in self.handles:
             return
         metrics.record_turn_started()
         self.handles.add(handle)
-        handle.task.add_done_callback(lambda _: self.handles.discard(handle))
+
+        def ended(task: "asyncio.Task[Any]") -> None:
+            self.handles.discard(handle)
+            failure = None if task.cancelled() else task.exception()
+            if again is None or tries <= 0 or failure is None or not is_transient(failure):
+                return
+            logger.warning(
+                "turn failed on a transient fault; asking for it again",
+                turn_id=handle.run_id,
+                thread_id=handle.thread_id,
+                error=f"{type(failure).__name__}: {failure}",
+            )
+            asking = asyncio.get_running_loop().create_task(self._ask(again, tries - 1))
+            self.asking.add(asking)
+            asking.add_done_callback(self.asking.discard)
+
+        handle.task.add_done_callback(ended)
+
+    async def _ask(self, again: Ask, tries: int) -> None:
+        await asyncio.sleep(BACKOFF_S[0])
+        try:
+            self._track(await retried(again), again, tries)
+        except Exception:
+            logger.exception(
+                "asking for a failed turn again failed; the thread's next command takes it"
+            )
 
     def running(self) -> list[RunHandle]:
         return [handle for handle in self.handles if not handle.task.done()]

@@ -230,9 +230,12 @@ class Runtime:
             running = turns.running()
             threads |= {handle.thread_id for handle in running}
             remaining = deadline - time.monotonic()
-            if not running or remaining <= 0:
+            if not (running or turns.asking) or remaining <= 0:
                 return len(running)
-            await asyncio.wait([handle.task for handle in running], timeout=remaining)
+            # a turn asked for again (one that failed to start) is waited for too
+            await asyncio.wait(
+                [*(handle.task for handle in running), *turns.asking], timeout=remaining
+            )
             try:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
                     await runner.drain()

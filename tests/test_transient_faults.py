@@ -63,13 +63,15 @@ class Injector:
     """Fails the next statement that matches, once, as the database driver would."""
 
     pattern: re.Pattern[str] | None = None
+    skip: int = 0
+    """Matching statements to let through before the one that fails."""
     fired: int = 0
     after: int = 0
     """Statements that matched and ran after the fault: the step tried again."""
     tried_again: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def arm(self, pattern: str) -> None:
-        self.pattern = re.compile(pattern)
+    def arm(self, pattern: str, *, skip: int = 0) -> None:
+        self.pattern, self.skip = re.compile(pattern), skip
 
     def before(self, connection: Any, cursor: Any, statement: str, *_: Any) -> None:
         if self.pattern is None or not self.pattern.search(statement):
@@ -77,6 +79,9 @@ class Injector:
         if self.fired:
             self.after += 1
             self.tried_again.set()
+            return
+        if self.skip:
+            self.skip -= 1
             return
         self.fired += 1
         raise connection.dialect.loaded_dbapi.OperationalError("database is locked (injected)")
@@ -243,6 +248,29 @@ async def test_a_send_run_survives_one_fault_at(world: World, step: str) -> None
     await _turns_end(world)
 
 
+async def test_a_turn_that_fails_to_start_is_asked_for_again(world: World) -> None:
+    """The send's message commits; the turn's own first write fails once: the turn ends
+    without taking the message, and artifactr leaves it to the thread's next command. relayr
+    asks again, so the message is still answered, by one turn."""
+    thread = await world.thread()
+    run_id = await world.run_of(IncidentOpened(title="db down", thread_id=thread))
+
+    with Injector().attached(world.engine) as injector:
+        # the first insert of an event is the message; the next one is the turn's
+        injector.arm(r"INSERT INTO artifactr_events", skip=1)
+        [executed] = await execute_runs(world.runtime, TENANT, WORKSPACE, [run_id])
+        await _turns_end(world)
+
+    assert (injector.fired, executed.outcome) == (1, "succeeded")
+    handle = await world.application.artifacts.open(TENANT, WORKSPACE, actor=ALICE)
+    log = [e for e in await handle.read(threads={thread})]
+    [message] = await world.rule_messages(thread)
+    started = [e.event for e in log if e.event.type == "run_started"]
+    replies = [e for e in log if isinstance(e.event, MessagePosted) and e.actor.kind == "agent"]
+    assert [message.message_id in s.message_ids for s in started] == [True]
+    assert len(replies) == 1
+
+
 async def test_runner_ask_survives_one_fault(world: World) -> None:
     """An earlier attempt committed the message and died before asking: the retry asks."""
     thread = await world.thread()
@@ -298,8 +326,8 @@ async def test_a_lease_renewal_survives_one_fault(world: World) -> None:
 async def _turns_end(world: World) -> None:
     turns = world.runtime.bridge.turns
     async with asyncio.timeout(GATE_TIMEOUT_S):
-        while running := turns.running():
-            await asyncio.gather(*(t.task for t in running), return_exceptions=True)
+        while (running := turns.running()) or turns.asking:
+            await asyncio.gather(*(t.task for t in running), *turns.asking, return_exceptions=True)
 
 
 @pytest.mark.worker
