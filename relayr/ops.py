@@ -15,12 +15,8 @@ its turn (ADR-0026).
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
-from artifactr import SystemActor as ArtifactSystemActor
-from artifactr import Workspaces as ArtifactWorkspaces
-from artifactr.core import Rejection as ArtifactRejection
-from artifactr.core import RunEnded, RunStarted
 from reflexr import UserActor
 from reflexr.core import (
     InvalidState,
@@ -41,11 +37,16 @@ from relayr.emissions import EmissionRecord
 from relayr.errors import BrokerUnavailable
 from relayr.ledger.port import Ledger, WorkspaceKey
 
+if TYPE_CHECKING:
+    from artifactr import Workspaces as ArtifactWorkspaces
+
 OPERATOR: Final = UserActor(id="relayr-ops", name="relayr ops")
 """Who retries, cancels and skips runs from the CLI, as reflexr's facts record it."""
 
-READER: Final = ArtifactSystemActor(name="relayr-ops")
-"""Who reads threads to find the turns a run's messages started."""
+READER_NAME: Final = "relayr-ops"
+"""Who reads threads to find the turns a run's messages started (an artifactr system actor;
+artifactr is imported only by :func:`show_run`, so that listing and changing runs loads reflexr
+alone: ADR-0050)."""
 
 RUN_FACTS: Final = (
     "reflexr:run_started",
@@ -216,7 +217,7 @@ async def find_run(
 
 async def show_run(
     rules: Workspaces,
-    artifacts: ArtifactWorkspaces,
+    artifacts: "ArtifactWorkspaces",
     ledger: Ledger,
     row: RunRow,
 ) -> RunReport:
@@ -335,17 +336,22 @@ def _attempts(facts: Iterable[tuple[object, datetime]]) -> list[Attempt]:
 
 
 async def _turns(
-    artifacts: ArtifactWorkspaces,
+    artifacts: "ArtifactWorkspaces",
     workspace: WorkspaceKey,
     emissions: Sequence[EmissionRecord],
     *,
     now: datetime,
 ) -> list[Turn]:
+    from artifactr import SystemActor as ArtifactSystemActor
+    from artifactr.core import Rejection as ArtifactRejection
+    from artifactr.core import RunEnded, RunStarted
+
     sent = {(r.thread_id, r.message_id) for r in emissions if r.kind == "message"}
     if not sent:
         return []
+    reader = ArtifactSystemActor(name=READER_NAME)
     try:
-        handle = await artifacts.open(workspace.tenant_id, workspace.workspace_id, actor=READER)
+        handle = await artifacts.open(workspace.tenant_id, workspace.workspace_id, actor=reader)
         log = await handle.read(threads={thread for thread, _ in sent})
     except ArtifactRejection:
         return [Turn(message, thread, None, "untaken") for thread, message in sorted(sent)]

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Self
 
-from artifactr.sql import create_sqlite_engine
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -146,6 +145,9 @@ class SqlLedger:
         one connection), the only safe way to write one SQLite file from many tasks.
         """
         if make_url(url).get_backend_name() == "sqlite":
+            # imported here: `relayr runs` loads this module and must not load artifactr (ADR-0050)
+            from artifactr.sql import create_sqlite_engine
+
             engine = create_sqlite_engine(url, **engine_options)
         else:
             engine = create_async_engine(url, **engine_options)

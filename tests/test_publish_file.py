@@ -1,0 +1,182 @@
+"""``relayr publish --data-file``: many events in one process, all checked before the first write.
+
+Runs in this process (click's runner) on a home of the test's own, and reads the workspace's
+log to count what was written. Files are longer than one transaction's chunk, so a refusal
+after the first chunk would show as events written.
+"""
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from reflexr import Event, SourceActor
+
+from relayr.cli import cli
+from relayr.cli.publish import CHUNK_EVENTS
+from relayr.runtime import Runtime
+from relayr.settings import Settings
+from tests.workers import relayr_environment
+
+LINES = CHUNK_EVENTS * 2 + 1
+"""Three transactions' worth of events."""
+
+
+class Unaccepted(Event, abstract=True, event_namespace="probe"):
+    """Events reflexr knows (registered here) that the example application does not accept."""
+
+
+class Stray(Unaccepted, name="stray"):
+    """``probe:stray``: a valid event of a type the application was not given."""
+
+    note: str
+
+
+@pytest.fixture
+def environment(tmp_path: Path) -> dict[str, str]:
+    return relayr_environment(tmp_path)
+
+
+def deploy(index: int, *, typed: bool = False) -> dict[str, Any]:
+    data: dict[str, Any] = {"service": f"svc-{index}", "status": "ok", "thread_id": "thr_1"}
+    return {"type": "deploy:finished", **data} if typed else data
+
+
+def write(path: Path, lines: Iterator[object] | list[object]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def publish(environment: dict[str, str], *args: str, stdin: str | None = None) -> Result:
+    return CliRunner().invoke(
+        cli, ["publish", "acme/ops", *args], env=environment, input=stdin, catch_exceptions=False
+    )
+
+
+def log(environment: dict[str, str]) -> list[Any]:
+    """The workspace's log: every envelope published into acme/ops."""
+
+    async def read() -> list[Any]:
+        runtime = await Runtime.start(Settings.from_env(environment), role="cli")
+        async with runtime:
+            handle = await runtime.application.rules.open(
+                "acme", "ops", actor=SourceActor(name="test")
+            )
+            return list(await handle.read())
+
+    return asyncio.run(read())
+
+
+def test_a_file_is_published_in_order_in_few_transactions_once(
+    environment: dict[str, str], tmp_path: Path
+) -> None:
+    events = write(tmp_path / "events.jsonl", [deploy(index) for index in range(LINES)])
+    args = ["deploy:finished", "--data-file", str(events), "--id-prefix", "import-1", "--json"]
+    first = publish(environment, *args)
+    assert first.exit_code == 0, first.output
+    assert first.stderr == ""  # no progress bar: stderr is not a terminal
+    assert json.loads(first.stdout) == {
+        "events": LINES,
+        "added": LINES,
+        "duplicates": 0,
+        "first_seq": 1,
+        "last_seq": LINES,
+        "transactions": 3,
+    }
+    envelopes = log(environment)
+    assert [envelope.data["service"] for envelope in envelopes] == [
+        f"svc-{index}" for index in range(LINES)
+    ]
+    assert [envelope.id for envelope in envelopes] == [
+        f"import-1-{number}" for number in range(1, LINES + 1)
+    ]
+    again = publish(environment, *args)
+    assert json.loads(again.stdout)["duplicates"] == LINES
+    assert len(log(environment)) == LINES
+
+
+def test_stdin_lines_name_their_types(environment: dict[str, str]) -> None:
+    lines = [
+        deploy(1, typed=True),
+        {"type": "incident:opened", "title": "checkout errors", "thread_id": "thr_1"},
+        deploy(2, typed=True),
+    ]
+    stdin = "\n".join(json.dumps(line) for line in lines) + "\n\n"  # a blank line is skipped
+    result = publish(environment, "--data-file", "-", stdin=stdin)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "published 3 event(s) into acme/ops, seq 1-3, in 1 transaction(s)\n"
+    assert [envelope.event_type for envelope in log(environment)] == [
+        "deploy:finished",
+        "incident:opened",
+        "deploy:finished",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "must be a JSON object, not list"),
+        (json.dumps({"service": "api"}), "invalid deploy:finished event: status: Field required"),
+        (json.dumps({**deploy(0), "type": "deploy:finished"}), "must not contain 'type'"),
+        (json.dumps({**deploy(0), "service": "a\u0000b"}), "cannot hold a NUL character"),
+    ],
+    ids=["json", "not an object", "invalid event", "type twice", "nul"],
+)
+def test_a_bad_line_is_refused_by_its_number_and_nothing_is_published(
+    environment: dict[str, str], tmp_path: Path, bad: str, message: str
+) -> None:
+    number = CHUNK_EVENTS + 100  # past the first transaction's chunk
+    lines = [json.dumps(deploy(index)) for index in range(LINES)]
+    lines[number - 1] = bad
+    events = tmp_path / "events.jsonl"
+    events.write_text("\n".join(lines) + "\n")
+    result = publish(environment, "deploy:finished", "--data-file", str(events))
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"Error: line {number} of {events}")
+    assert message in line
+    assert log(environment) == []
+
+
+def test_a_type_the_application_does_not_accept_is_refused_before_any_write(
+    environment: dict[str, str],
+) -> None:
+    number = CHUNK_EVENTS + 100
+    lines: list[dict[str, Any]] = [deploy(index, typed=True) for index in range(LINES)]
+    lines[number - 1] = {"type": Stray.event_type, "note": "not the application's"}
+    result = publish(environment, "--data-file", "-", stdin="\n".join(map(json.dumps, lines)))
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"Error: line {number}: ")
+    assert "probe:stray" in line
+    assert line.endswith("nothing was published")
+    assert log(environment) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["deploy:finished", "--data", "{}", "--data-file", "-"], "give --data or --data-file"),
+        (["deploy:finished", "--data-file", "-", "--id", "e1"], "use --id-prefix"),
+        (["deploy:finished", "--id-prefix", "p"], "use --id for one event"),
+        (["--data", "{}"], "give EVENT_TYPE"),
+        (["deploy:finished", "--data-file", "-", "--id-prefix", "a b"], "--id-prefix 'a b'"),
+    ],
+)
+def test_options_that_do_not_go_together_are_refused(
+    environment: dict[str, str], args: list[str], message: str
+) -> None:
+    result = publish(environment, *args, stdin=json.dumps(deploy(1)))
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert not Path(environment["RELAYR_HOME"], "relayr.db").exists()
+
+
+def test_an_empty_file_is_refused(environment: dict[str, str]) -> None:
+    result = publish(environment, "deploy:finished", "--data-file", "-", stdin="\n\n")
+    assert result.exit_code == 2, result.output
+    assert "stdin has no event" in result.stderr
