@@ -63,8 +63,8 @@ DUE_LIMIT: Final = 1000
 queue has taken these; the bound keeps one pass's read and memory small."""
 
 MESSAGES_PER_BURST: Final = 4
-"""Into how many messages at least a workspace's due runs are split (up to MAX_BATCH_RUNS
-runs each), so a handful of due runs still reaches several worker processes at once."""
+"""Into how many messages at least a pass's due runs are split (up to MAX_BATCH_RUNS runs
+each, one workspace each), so a handful of due runs still reaches several worker processes."""
 
 logger = structlog.get_logger("relayr.dispatch")
 
@@ -284,19 +284,18 @@ class Dispatcher:
 def _batches(
     runs: Sequence[tuple[_RunKey, Run]],
 ) -> Iterator[tuple[RunBatch, list[tuple[_RunKey, Run]]]]:
-    """Group runs into messages: by workspace, in order, each workspace's split into at least
-    :data:`MESSAGES_PER_BURST` messages of at most MAX_BATCH_RUNS runs; a run whose last
-    attempt was abandoned goes alone."""
+    """Group runs into messages of one workspace each, in order, sized so the pass's runs make
+    at least :data:`MESSAGES_PER_BURST` messages of at most MAX_BATCH_RUNS runs; a run whose
+    last attempt was abandoned goes alone."""
     by_workspace: dict[tuple[str, str], list[tuple[_RunKey, Run]]] = {}
-    alone: list[list[tuple[_RunKey, Run]]] = []
+    groups: list[list[tuple[_RunKey, Run]]] = []
     for key, run in runs:
         if run.reason == "abandoned":
-            alone.append([(key, run)])
+            groups.append([(key, run)])
         else:
             by_workspace.setdefault(key[:2], []).append((key, run))
-    groups = list(alone)
+    size = min(MAX_BATCH_RUNS, max(1, math.ceil(len(runs) / MESSAGES_PER_BURST)))
     for members in by_workspace.values():
-        size = min(MAX_BATCH_RUNS, max(1, math.ceil(len(members) / MESSAGES_PER_BURST)))
         groups.extend(members[index : index + size] for index in range(0, len(members), size))
     for group in groups:
         tenant_id, workspace_id, _ = group[0][0]
