@@ -85,6 +85,11 @@ SCOPE_BUDGET_S: Final = 10.0
 """How long a message may go on with one scope's runs, for the same reason; the dispatcher's
 next pass hands the scope's next run to the queue when the budget ends."""
 
+GROUP_LINGER_S: Final = 0.1
+"""How long the outcome of an action that ended waits for the others of its message to end
+too, so they are recorded in one transaction: a message's notices end within tens of
+milliseconds of each other; an action that takes longer is recorded in a later group."""
+
 _JSON: TypeAdapter[JsonValue] = TypeAdapter(JsonValue)
 
 logger = structlog.get_logger("relayr.executor")
@@ -316,7 +321,10 @@ class _Batch:
         """Record outcomes as actions end, a group per transaction, and start the runs that
         their scopes go on with."""
         while running:
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            if pending:  # what ends meanwhile joins this group's transaction
+                await asyncio.wait(pending, timeout=GROUP_LINGER_S)
+                done = {task for task in running if task.done()}
             finished: list[Finished] = []
             writes: list[LedgerWrites] = []
             began: dict[str, float] = {}
