@@ -39,6 +39,7 @@ test: check
 bench: $(STAMP)
 	$(BIN)/python -m bench.targets
 	$(BIN)/python -m bench.broker
+	$(BIN)/python -m bench.cli
 
 clean:
 	rm -rf $(VENV) .relayr .pytest_cache .mypy_cache .ruff_cache
