@@ -11,8 +11,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from bench.cases import Case, run_case
 from bench.common import STORAGES, emit, quiet_logging, storage_available
-from bench.end_to_end import Case, run_case
 
 
 def measure(

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from bench import floor
+from bench.cases import Case, run_case
 from bench.common import emit, machine, note, quiet_logging, storage_available
-from bench.end_to_end import Case, run_case
 
 DEFAULT_DISPATCH_INTERVAL_S: Final = 1.0
 """``RELAYR_DISPATCH_INTERVAL_S``'s default, for the case that must run on default settings."""

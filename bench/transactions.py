@@ -19,8 +19,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any, Final
 
+from bench.cases import Case, run_case
 from bench.common import STORAGES, emit, quiet_logging, storage_available
-from bench.end_to_end import Case, run_case
 
 TARGET_PER_NOTICE_RUN: Final = 6
 """Issue 5's target: SQL transactions per notice run, the publish included."""

@@ -2,7 +2,7 @@
 
 The processes are :class:`relayr.cli.processes.RelayrProcess`, the wrapper the command line and
 the tests use too; this module adds a case's settings (the example's allowlist, JSON logs, which
-:func:`bench.end_to_end.count_outcomes` reads) and starts workers from the repository, where
+:func:`bench.cases.count_outcomes` reads) and starts workers from the repository, where
 ``RELAYR_APP=bench.common:...`` is importable.
 """
 
@@ -16,9 +16,7 @@ from relayr.cli.processes import RelayrProcess
 REPO: Final = Path(__file__).resolve().parent.parent
 ALLOWLIST: Final = REPO / "rules" / "allowlist.toml"
 
-WorkerProcess = RelayrProcess
-
-__all__ = ["ALLOWLIST", "REPO", "WorkerProcess", "relayr_environment", "start_worker"]
+__all__ = ["ALLOWLIST", "REPO", "RelayrProcess", "relayr_environment", "start_worker"]
 
 
 def relayr_environment(home: Path, **settings: object) -> dict[str, str]:

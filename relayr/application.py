@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
-from relayr.errors import InvalidApplication
+from relayr.core.errors import InvalidApplication
 from relayr.settings import Settings
 
 if TYPE_CHECKING:

@@ -21,11 +21,10 @@ run fired later always comes later in the scope's order (its ``fired_seq`` is th
 newer envelope), and a run that succeeded never runs again (ADR-0024).
 """
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Final, Literal
+from typing import Literal
 
 from pydantic import JsonValue
 from reflexr.core import (
@@ -49,8 +48,9 @@ from reflexr.core import (
 from reflexr.workspace import REACTOR, Entry, RunFailure, Transaction, WorkspaceRef, Workspaces
 
 from relayr import metrics
+from relayr.core import reasons
 
-type Outcome = Literal[
+type RunOutcome = Literal[
     "succeeded",
     "retrying",
     "dead",
@@ -72,30 +72,7 @@ cancelled; ``dropped``: it stopped being current before its outcome was recorded
 nothing was recorded: whoever made it not current decided.
 """
 
-ABANDONED: Final = "the attempt was abandoned: its executor stopped"
-"""The error recorded for an attempt whose executor stopped before it ended."""
-
-WORKER_LOST: Final = "worker_lost"
-"""Why a run failed for good after its attempts kept losing their worker."""
-
-RULE_GONE: Final = "rule_gone"
-"""The reason a run is cancelled with when its workspace no longer has its rule."""
-
-_LOST = re.compile(r"\((\d+) attempts? lost in a row\)$")
-
 type _Fact = RunStarted | RunSucceeded | RunRetrying | RunDeadLettered | RunCancelled
-
-
-def lost_in_a_row(run: Run) -> int:
-    """How many attempts of ``run`` in a row were abandoned before its current one.
-
-    ``start`` keeps the last failure's reason and error, so the count travels in the error the
-    claim wrote when it recorded the previous abandoned attempt.
-    """
-    if run.reason != "abandoned" or run.error is None:
-        return 0
-    found = _LOST.search(run.error)
-    return int(found.group(1)) if found else 1
 
 
 @dataclass(frozen=True)
@@ -103,13 +80,13 @@ class Executed:
     """What executing (or failing) one run did.
 
     Attributes:
-        outcome: What happened (see :data:`Outcome`).
+        outcome: What happened (see :data:`RunOutcome`).
         run: The run as this call left it or found it, or None if it was not read.
         detail: For people: why, naming the run.
         run_id: The run's id, which ``run`` also has when it was read.
     """
 
-    outcome: Outcome
+    outcome: RunOutcome
     run: Run | None = None
     detail: str = ""
     run_id: str = ""
@@ -374,12 +351,12 @@ def _abandon(changes: _Changes, run: Run, rule: Rule, now: datetime, *, max_lost
     the executor of that attempt stopped renewing it. Past ``max_lost`` such attempts in a row
     the run fails for good (``worker_lost``): an action that kills its worker would otherwise
     kill one worker per attempt of its retry policy."""
-    lost = lost_in_a_row(run) + 1
-    error = f"{ABANDONED} ({lost} {'attempt' if lost == 1 else 'attempts'} lost in a row)"
+    lost = reasons.lost_in_a_row(run.reason, run.error) + 1
+    error = reasons.abandoned_error(lost)
     failed, fact = (
-        fail(run, rule, now=now, error=error, reason=WORKER_LOST, permanent=True)
+        fail(run, rule, now=now, error=error, reason=reasons.WORKER_LOST, permanent=True)
         if lost > max_lost
-        else fail(run, rule, now=now, error=error, reason="abandoned")
+        else fail(run, rule, now=now, error=error, reason=reasons.ABANDONED)
     )
     changes.record(failed, fact)
     return Executed(
@@ -419,7 +396,7 @@ async def _complete_one(
     detail = f"attempt {finished.attempts} of run {finished.id} {finished.status}"
     if ended.kind == "failed":
         detail += f": {ended.error}" + (f" ({ended.reason})" if ended.reason else "")
-    outcome: Outcome = (
+    outcome: RunOutcome = (
         "succeeded"
         if finished.status == "succeeded"
         else "dead"
@@ -433,7 +410,7 @@ def _cancel_orphan(changes: _Changes, run: Run, now: datetime) -> Executed:
     """Cancel a run whose rule the workspace no longer has, so it stops being due."""
     if run.status in FINISHED:
         return Executed("not_due", run, f"run {run.id} is {run.status}")
-    cancelled, fact = cancel(run, now=now, reason=RULE_GONE)
+    cancelled, fact = cancel(run, now=now, reason=reasons.RULE_GONE)
     changes.record(cancelled, fact)
     return Executed(
         "cancelled", cancelled, f"run {run.id} was cancelled: its rule {run.rule} is gone"

@@ -16,7 +16,7 @@ from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.agent import RunHandle, Runner
 
 from relayr import metrics
-from relayr.allowlist import Allowlists
+from relayr.core.allowlist import Allowlists
 from relayr.ledger.port import Ledger
 from relayr.transient import BACKOFF_S, TRIES, is_transient, retried
 
@@ -34,7 +34,7 @@ def utc_now() -> datetime:
 
 
 @dataclass
-class Turns:
+class StartedTurns:
     """The agent turns this process started, so a shutdown can give them a grace period.
 
     A turn that fails on a transient storage fault (a dropped connection) before it took its
@@ -114,4 +114,4 @@ class Bridge:
     runner: Runner[Any] | None = None
     clock: Callable[[], datetime] = utc_now
     app: Any = None
-    turns: Turns = field(default_factory=Turns)
+    turns: StartedTurns = field(default_factory=StartedTurns)

@@ -44,6 +44,7 @@ from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
 from relayr import broker
 from relayr.batch import MAX_BATCH_RUNS, RunBatch
+from relayr.core import reasons
 from relayr.evaluation import evaluate_all
 from relayr.runtime import Runtime
 from relayr.settings import Settings
@@ -290,7 +291,7 @@ def _batches(
     by_workspace: dict[tuple[str, str], list[tuple[_RunKey, Run]]] = {}
     groups: list[list[tuple[_RunKey, Run]]] = []
     for key, run in runs:
-        if run.reason == "abandoned":
+        if run.reason == reasons.ABANDONED:
             groups.append([(key, run)])
         else:
             by_workspace.setdefault(key[:2], []).append((key, run))

@@ -47,34 +47,27 @@ from reflexr.workspace import Action, Reaction, RunFailure, WorkspaceRef, run_le
 from relayr import attempts, metrics
 from relayr.actions import pending_writes
 from relayr.attempts import (
-    ABANDONED,
-    RULE_GONE,
-    WORKER_LOST,
     Claimed,
     Ended,
     Executed,
     Finished,
     NothingThere,
-    Outcome,
-    lost_in_a_row,
+    RunOutcome,
 )
+from relayr.core import reasons
 from relayr.ledger.port import LedgerWrites
 from relayr.runtime import Runtime
 from relayr.transient import is_transient, retried
 
 __all__ = [
-    "ABANDONED",
-    "RULE_GONE",
     "SCOPE_BUDGET_RUNS",
     "SCOPE_BUDGET_S",
-    "WORKER_LOST",
     "Executed",
-    "Outcome",
+    "RunOutcome",
     "execute_run",
     "execute_runs",
     "fail_run",
     "is_transient",
-    "lost_in_a_row",
 ]
 
 SCOPE_BUDGET_RUNS: Final = 500
@@ -269,7 +262,7 @@ class _Batch:
                 actor=RuleAgentActor(rule=rule.name, run_id=run.id, name=rule.then.action),
             )
         except Forbidden as refused:  # the rule may not act in its workspace: so would a retry
-            return Ended("failed", error=refused.message, reason="forbidden", permanent=True)
+            return Ended("failed", error=refused.message, reason=reasons.FORBIDDEN, permanent=True)
         except Exception as error:  # the application's on_open failed: the attempt's, to retry
             return Ended("failed", error=f"{type(error).__name__}: {error}")
         entry.reaction = Reaction(
@@ -426,7 +419,7 @@ def _resolve(actions: Mapping[str, Action[Any]], rule: Rule) -> tuple[Action[Any
     if action is None:
         raise RunFailure(
             f"rule {rule.name} runs {rule.then.action!r}, which is not among the actions",
-            reason="unknown_action",
+            reason=reasons.UNKNOWN_ACTION,
             permanent=True,
         )
     model = getattr(action, "params", None)
@@ -435,7 +428,7 @@ def _resolve(actions: Mapping[str, Action[Any]], rule: Rule) -> tuple[Action[Any
         return action, load_params(rule, declared)
     except InvalidRule as invalid:
         message = f"rule {rule.name}: " + "; ".join(invalid.problems)
-        raise RunFailure(message, reason="invalid_params", permanent=True) from None
+        raise RunFailure(message, reason=reasons.INVALID_PARAMS, permanent=True) from None
 
 
 async def _call(action: Action[Any], reaction: Reaction[Any]) -> Ended:
@@ -445,11 +438,11 @@ async def _call(action: Action[Any], reaction: Reaction[Any]) -> Ended:
         async with asyncio.timeout(limit.total_seconds() if limit else None):
             output = await action(reaction)
     except TimeoutError:
-        return Ended("failed", error=f"the action timed out after {limit}", reason="timeout")
+        return Ended("failed", error=f"the action timed out after {limit}", reason=reasons.TIMEOUT)
     except RunFailure as failure:
         return Ended.failed(failure)
     except Forbidden as refused:  # authorize refused the rule what it did: so would a retry
-        return Ended("failed", error=refused.message, reason="forbidden", permanent=True)
+        return Ended("failed", error=refused.message, reason=reasons.FORBIDDEN, permanent=True)
     except Exception as error:  # an action's failure is the run's, to retry
         return Ended("failed", error=f"{type(error).__name__}: {error}")
     try:

@@ -4,7 +4,7 @@ reflexr's store is the truth about a run (DESIGN contract 7), so every command h
 changes it through reflexr's own operator operations, across every workspace unless one is
 named. A retry is reflexr's operator retry (the run is due now, its attempts start again from
 zero) followed by an enqueue, so ops need not wait for the dispatcher's next pass. The enqueue
-is only that shortcut: when the broker is down (:class:`relayr.errors.BrokerUnavailable`, after
+is only that shortcut: when the broker is down (:class:`relayr.core.errors.BrokerUnavailable`, after
 its bounded retries) the run stays retried, due now, for the dispatcher to enqueue once it can
 reach the broker, and the remaining runs are retried without trying the broker again. Retrying is
 always safe, because the run's writes have derived ids: a notice an earlier attempt posted is
@@ -33,8 +33,9 @@ from reflexr.core import (
 from reflexr.core import RunStarted as RunAttempted
 from reflexr.workspace import WorkspaceRef, Workspaces
 
-from relayr.emissions import EmissionRecord
-from relayr.errors import BrokerUnavailable
+from relayr.core import reasons
+from relayr.core.emissions import EmissionRecord
+from relayr.core.errors import BrokerUnavailable
 from relayr.ledger.port import Ledger, WorkspaceKey
 
 if TYPE_CHECKING:
@@ -320,7 +321,7 @@ def _attempts(facts: Iterable[tuple[object, datetime]]) -> list[Attempt]:
     for fact, at in facts:
         match fact:
             case RunAttempted():
-                ended("abandoned", "a later attempt started", "abandoned")
+                ended("abandoned", "a later attempt started", reasons.ABANDONED)
                 attempts.append(Attempt(fact.attempt, at))
             case RunRetrying():
                 ended("failed", fact.error, fact.reason)

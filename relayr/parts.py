@@ -34,7 +34,7 @@ from relayr.application import (
     load_factory,
     migrate,
 )
-from relayr.errors import InvalidApplication
+from relayr.core.errors import InvalidApplication
 from relayr.settings import Settings
 
 if TYPE_CHECKING:

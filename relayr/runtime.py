@@ -32,9 +32,10 @@ import structlog
 from artifactr import SystemActor as ArtifactSystemActor
 from artifactr.agent import RunHandle, Runner
 
-from relayr.allowlist import AllowlistFile, Allowlists
+from relayr.allowlist_file import AllowlistFile
 from relayr.application import Application, load_application
 from relayr.bridge import Bridge
+from relayr.core.allowlist import Allowlists
 from relayr.ledger import InMemoryLedger, Ledger, SqlLedger
 from relayr.settings import Settings
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from relayr.errors import InvalidSettings
+from relayr.core.errors import InvalidSettings
 
 type LogFormat = Literal["json", "console"]
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from kombu.exceptions import OperationalError as BrokerUnreachable
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 TRIES: Final = 3
@@ -37,6 +37,12 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(
         error, OperationalError | InterfaceError | ConnectionError | BrokerUnreachable
     )
+
+
+def is_storage_error(error: BaseException) -> bool:
+    """Whether an error is the storage's own (the database's, through SQLAlchemy), transient or
+    not: what a write that outlasted its retries fails with, as ``storage_unavailable``."""
+    return isinstance(error, SQLAlchemyError) or is_transient(error)
 
 
 async def retried[T](step: Callable[[], Awaitable[T]]) -> T:

@@ -31,7 +31,8 @@ from pydantic_core import ErrorDetails
 
 from relayr import executor, metrics
 from relayr.batch import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunBatch
-from relayr.errors import InvalidTask
+from relayr.core import reasons
+from relayr.core.errors import InvalidTask
 from relayr.executor import Executed
 from tasks.worker import process
 
@@ -50,7 +51,7 @@ ID_NAMES: Final = ("tenant_id", "workspace_id", "run_id")
 BATCH_NAMES: Final = ("tenant_id", "workspace_id", "run_ids")
 """The run task's arguments, in order."""
 
-OUTCOMES: Final[Mapping[str, tuple[int, str]]] = {
+RUN_OUTCOME_LINES: Final[Mapping[str, tuple[int, str]]] = {
     "succeeded": (logging.INFO, "run succeeded"),
     "retrying": (logging.WARNING, "run failed; reflexr will retry it"),
     "dead": (logging.ERROR, "run failed for good"),
@@ -175,7 +176,7 @@ def outcome_fields(executed: Executed) -> dict[str, Any]:
 
 
 def log_outcome(executed: Executed) -> None:
-    level, message = OUTCOMES.get(executed.outcome, (logging.WARNING, "unknown outcome"))
+    level, message = RUN_OUTCOME_LINES.get(executed.outcome, (logging.WARNING, "unknown outcome"))
     logger.log(level, message, **outcome_fields(executed))
 
 
@@ -226,7 +227,7 @@ def _execute(self: Any, batch: RunBatch) -> list[str]:
                     "run interrupted by the task's soft time limit",
                     run_id=run_id,
                     outcome="interrupted",
-                    reason="soft_time_limit",
+                    reason=reasons.SOFT_TIME_LIMIT,
                     soft_time_limit_s=settings.soft_time_limit_s,
                 )
             return ["interrupted"]
@@ -240,8 +241,8 @@ def _fail_lost(batch: RunBatch, delivery: int, max_redeliveries: int) -> Execute
     logger.error(
         "run's task killed its worker too often: failing the run",
         run_id=run_id,
-        outcome="worker_lost",
-        reason="worker_lost",
+        outcome=reasons.WORKER_LOST,
+        reason=reasons.WORKER_LOST,
         max_redeliveries=max_redeliveries,
     )
     return process.call(
@@ -250,7 +251,7 @@ def _fail_lost(batch: RunBatch, delivery: int, max_redeliveries: int) -> Execute
             batch.tenant_id,
             batch.workspace_id,
             run_id,
-            reason="worker_lost",
+            reason=reasons.WORKER_LOST,
             error=f"the task of this run was delivered {delivery} times and its worker was "
             f"lost each time (max_redeliveries={max_redeliveries})",
         )

@@ -33,7 +33,7 @@ from celery import signals
 from celery.exceptions import Reject
 
 from relayr import metrics
-from relayr.errors import InvalidTask
+from relayr.core.errors import InvalidTask
 from relayr.logging import configure_logging
 from relayr.runtime import Runtime
 from relayr.settings import Settings
@@ -196,7 +196,7 @@ process: Final = WorkerProcess()
 
 class _RefusedTaskFilter(logging.Filter):
     """Drops Celery's warning (with a traceback) about a task rejected as malformed: the task
-    has logged the one line that names the problem (:class:`relayr.errors.InvalidTask`)."""
+    has logged the one line that names the problem (:class:`relayr.core.errors.InvalidTask`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None

@@ -23,7 +23,7 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 
 from relayr.actions import acting
 from relayr.application import Application, open_storage
-from relayr.ids import IdDeriver, digest
+from relayr.core.ids import IdDeriver, digest
 from relayr.settings import Settings
 from rules.example import TriageNote, triage_agent
 

@@ -25,9 +25,10 @@ from reflexr.core import start
 from reflexr.workspace import InMemoryStorage, Reaction, Reactor, RunFailure, Workspaces
 
 from relayr.actions import RunActions, acting
-from relayr.allowlist import Allowlists, parse_allowlist
 from relayr.bridge import Bridge
-from relayr.emissions import EmissionRecord
+from relayr.core.allowlist import Allowlists
+from relayr.core.allowlist_toml import parse_allowlist
+from relayr.core.emissions import EmissionRecord
 from relayr.ledger import Cause, InMemoryLedger, WorkspaceKey
 from relayr.turns import turn_cause
 
@@ -244,7 +245,7 @@ async def test_d_crash_between_commit_and_ask_gets_its_turn_on_retry(harness: Ha
     thread = await harness.thread()
     reaction = await harness.reaction("ops:triage", thread, 1)
     content = "Triage incident: disk full"
-    from relayr.ids import IdDeriver, digest
+    from relayr.core.ids import IdDeriver, digest
 
     message_id = IdDeriver(reaction.run_id).next(
         "msg", segment=0, operation="post_message", subject=(thread, digest(content))
@@ -292,7 +293,7 @@ async def test_f_chain_threads_only_and_never_another_workspace(harness: Harness
     harness.allowlists = parse_allowlist('[rules."ops:notify"]\nthreads = "any"\n')
     with pytest.raises(RunFailure) as missing:
         await actions.notice("hello", thread_id=foreign)
-    assert (missing.value.reason, missing.value.permanent) == ("not_found", False)
+    assert (missing.value.reason, missing.value.permanent) == ("thread_not_found", True)
     assert [
         e for e in await other.read(threads={foreign}) if e.event.type == "message_posted"
     ] == []

@@ -27,14 +27,10 @@ import pytest
 from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
-from relayr.allowlist import (
-    MOST_RESTRICTIVE,
-    AllowlistFile,
-    Allowlists,
-    load_allowlist,
-    parse_allowlist,
-)
-from relayr.errors import InvalidAllowlist
+from relayr.allowlist_file import AllowlistFile, load_allowlist
+from relayr.core.allowlist import MOST_RESTRICTIVE, Allowlists
+from relayr.core.allowlist_toml import parse_allowlist
+from relayr.core.errors import InvalidAllowlist
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = (REPO / "rules" / "allowlist.toml").read_text()

@@ -13,7 +13,6 @@ from artifactr.core import MessagePosted, RunEnded
 from reflexr import SourceActor
 from sqlalchemy import inspect
 
-from relayr.allowlist import Allowlists, parse_allowlist
 from relayr.application import (
     Application,
     create_engine,
@@ -22,8 +21,10 @@ from relayr.application import (
     open_storage,
 )
 from relayr.batch import RunBatch
+from relayr.core.allowlist import Allowlists
+from relayr.core.allowlist_toml import parse_allowlist
+from relayr.core.errors import InvalidAllowlist, InvalidApplication
 from relayr.dispatch import Dispatcher
-from relayr.errors import InvalidAllowlist, InvalidApplication
 from relayr.executor import Executed, execute_run, execute_runs
 from relayr.runtime import Role, Runtime
 from relayr.settings import Settings
@@ -469,7 +470,7 @@ async def test_shutdown_stops_turns_that_outlive_the_grace(tmp_path: Path) -> No
 
 
 def test_the_allowlist_grants_turns_to_the_triage_rule_only() -> None:
-    from relayr.allowlist import load_allowlist
+    from relayr.allowlist_file import load_allowlist
 
     allowlists: Allowlists = load_allowlist(ALLOWLIST)
 

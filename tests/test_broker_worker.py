@@ -28,7 +28,7 @@ from relayr.settings import Settings
 from tasks.app import create_celery
 from tests.broker_app import Gated, gate_path
 from tests.broker_samples import GARBAGE, NOT_TASKS
-from tests.workers import WorkerProcess, relayr_environment, running_worker, start_worker
+from tests.workers import RelayrProcess, relayr_environment, running_worker, start_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -39,11 +39,11 @@ WAIT_S: Final = 120.0
 RECOVERED: Final = "messages of a dead consumer went back to their queues"
 
 
-def log_lines(worker: WorkerProcess) -> list[dict[str, Any]]:
+def log_lines(worker: RelayrProcess) -> list[dict[str, Any]]:
     return [json.loads(line) for line in worker.log().splitlines() if line.startswith("{")]
 
 
-def wait_for(worker: WorkerProcess, predicate: Any, *, count: int = 1) -> list[dict[str, Any]]:
+def wait_for(worker: RelayrProcess, predicate: Any, *, count: int = 1) -> list[dict[str, Any]]:
     """The worker's log lines that match, once there are ``count`` of them."""
     deadline = time.monotonic() + WAIT_S
     while True:

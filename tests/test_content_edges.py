@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reflexr.workspace import RunFailure
 
-from relayr.allowlist import parse_allowlist
+from relayr.core.allowlist_toml import parse_allowlist
 from tests.test_isolation import (
     HOME,
     RULE,

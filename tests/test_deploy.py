@@ -25,7 +25,7 @@ import click
 import pytest
 import yaml
 
-from relayr.allowlist import parse_allowlist
+from relayr.core.allowlist_toml import parse_allowlist
 from relayr.settings import PREFIX, Settings
 from tasks.worker import CLOSE_MARGIN_S
 

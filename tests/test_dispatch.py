@@ -7,7 +7,6 @@ lost" needs no waiting.
 """
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -19,14 +18,15 @@ from reflexr.core import start
 from reflexr.workspace import Reaction, WorkspaceRef, run_lease
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.allowlist import Allowlists
 from relayr.application import Application, open_storage
 from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.bridge import Bridge
+from relayr.core.allowlist import Allowlists
 from relayr.dispatch import Dispatcher, DispatchPass
 from relayr.executor import execute_run, execute_runs
 from relayr.runtime import Runtime
 from relayr.settings import Settings
+from tests.builders import Gates
 
 TENANT, WORKSPACE = "acme", "ops"
 REF = WorkspaceRef(TENANT, WORKSPACE)
@@ -64,12 +64,6 @@ RULES = [
         start="beginning",
     ),
 ]
-
-
-@dataclasses.dataclass
-class Gates:
-    started: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    release: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 async def act(reaction: Reaction[Bridge]) -> None:

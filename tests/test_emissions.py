@@ -1,31 +1,22 @@
 """Emission records: each way a record can be wrong is refused with its own named code."""
 
 import json
-from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from relayr.emissions import SCHEMA_VERSION, EmissionRecord, validate_emission
-from relayr.errors import InvalidEmission
-
-NOW = datetime(2026, 10, 12, 9, 30, tzinfo=UTC)
-
-GOOD = EmissionRecord(
-    kind="message",
-    rule="ops:triage",
-    run_id="fir-1",
-    attempt=1,
-    epoch=1,
-    tenant_id="tenant-1",
-    workspace_id="ws-1",
-    thread_id="thr-1",
-    message_id="msg-1",
-    policy="turn",
-    outcome="asked",
-    content="please look at build 42",
-    emitted_at=NOW,
+from relayr.core.emissions import (
+    FIELDS,
+    SCHEMA_VERSION,
+    EmissionRecord,
+    json_schema,
+    validate_emission,
 )
+from relayr.core.errors import InvalidEmission
+from tests.builders import emission
+
+GOOD = emission(kind="message", policy="turn", outcome="asked", content="please look at build 42")
 
 
 def changed(**changes: Any) -> dict[str, Any]:
@@ -82,3 +73,29 @@ def test_a_good_record_round_trips_through_json() -> None:
 
 def test_a_record_without_a_schema_version_is_read_as_the_current_one() -> None:
     assert validate_emission(without("schema_version")).schema_version == SCHEMA_VERSION
+
+
+def test_the_published_schema_is_the_models() -> None:
+    """docs/emission-record.schema.json is what the model exports; regenerate it with
+    ``python -c "from relayr.core.emissions import json_schema; print(json_schema(), end='')"``."""
+    published = Path(__file__).resolve().parent.parent / "docs" / "emission-record.schema.json"
+
+    assert published.read_text() == json_schema()
+
+
+def test_the_schema_states_each_kinds_route_and_outcomes() -> None:
+    schema = json.loads(json_schema())
+
+    assert schema["additionalProperties"] is False
+    assert set(schema["required"]) == FIELDS - {"schema_version"}
+    rules = {rule["if"]["properties"]["kind"]["const"]: rule["then"] for rule in schema["allOf"]}
+    assert rules["notice"]["properties"]["policy"] == {"const": "notice"}
+    assert "asked" not in rules["notice"]["properties"]["outcome"]["enum"]
+    assert rules["message"]["properties"]["policy"] == {"const": "turn"}
+
+
+def test_a_record_built_invalid_is_refused_with_its_code() -> None:
+    with pytest.raises(InvalidEmission) as refused:
+        EmissionRecord(**(GOOD.to_json() | {"kind": "notice"}))
+
+    assert refused.value.code == "INVALID_POLICY"

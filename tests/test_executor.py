@@ -28,12 +28,13 @@ from reflexr.workspace import (
 from reflexr.workspace import Workspaces as RuleWorkspaces
 from sqlalchemy import event
 
-from relayr.allowlist import Allowlists
 from relayr.application import Application, SharedStorage, open_storage
 from relayr.bridge import Bridge
+from relayr.core.allowlist import Allowlists
 from relayr.executor import Executed, execute_run, execute_runs, fail_run, is_transient
 from relayr.runtime import Runtime
 from relayr.settings import Settings
+from tests.builders import Gates
 
 TENANT, WORKSPACE = "acme", "ops"
 REF = WorkspaceRef(TENANT, WORKSPACE)
@@ -86,15 +87,6 @@ RULES = [
         retry=RetryPolicy(max_attempts=3, backoff=BACKOFF),
     ),
 ]
-
-
-@dataclasses.dataclass
-class Gates:
-    """How a test steers an action that waits: it says it started, then waits to be released."""
-
-    started: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    release: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    calls: int = 0
 
 
 def _gates(reaction: Reaction[Bridge]) -> Gates:

@@ -36,14 +36,14 @@ from reflexr.core import load_event
 
 from relayr import executor
 from relayr.cli.demo import run_scenario
+from relayr.core.errors import InvalidTask
 from relayr.demo import CLI_USER, DEMO_PUBLISHER, Plan
 from relayr.dispatch import Dispatcher
-from relayr.errors import InvalidTask
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
-from tasks.runs import ID_NAMES, MAX_ID_LENGTH, OUTCOMES, TASK_NAME, RunIds, parse_ids
-from tests.workers import ALLOWLIST, WorkerProcess, relayr_environment, running_worker
+from tasks.runs import ID_NAMES, MAX_ID_LENGTH, RUN_OUTCOME_LINES, TASK_NAME, RunIds, parse_ids
+from tests.workers import ALLOWLIST, RelayrProcess, relayr_environment, running_worker
 
 # ─── parse_ids under hypothesis ───────────────────────────────────────────────
 
@@ -181,7 +181,7 @@ VOLATILE_TABLES = frozenset({"reflexr_leases"})
 """Rows a declined claim may take and release again: compared separately (no lease may be
 left for a workspace that does not exist)."""
 
-FINAL_LINES = frozenset({"task refused", *(message for _, message in OUTCOMES.values())})
+FINAL_LINES = frozenset({"task refused", *(message for _, message in RUN_OUTCOME_LINES.values())})
 """The one line a task logs last: its refusal, or its outcome."""
 
 
@@ -293,17 +293,17 @@ def table_rows(path: Path) -> dict[str, list[tuple[Any, ...]]]:
         }
 
 
-def json_lines(worker: WorkerProcess) -> Iterator[dict[str, Any]]:
+def json_lines(worker: RelayrProcess) -> Iterator[dict[str, Any]]:
     for line in worker.log().splitlines():
         if line.startswith("{"):
             yield json.loads(line)
 
 
-def lines_mentioning(worker: WorkerProcess, task_id: str) -> list[str]:
+def lines_mentioning(worker: RelayrProcess, task_id: str) -> list[str]:
     return [line for line in worker.log().splitlines() if task_id in line]
 
 
-def final_lines(worker: WorkerProcess, task_id: str) -> list[dict[str, Any]]:
+def final_lines(worker: RelayrProcess, task_id: str) -> list[dict[str, Any]]:
     return [
         line
         for line in json_lines(worker)
@@ -445,7 +445,7 @@ def test_bad_messages_on_a_real_worker_write_nothing_and_are_logged_once(
     )
 
 
-def wait_until_logged(worker: WorkerProcess, sent: dict[str, Bad]) -> None:
+def wait_until_logged(worker: RelayrProcess, sent: dict[str, Bad]) -> None:
     """Until every message has its last line (a refusal, an outcome, Celery's error)."""
     deadline = time.monotonic() + WORKER_TIMEOUT_S
     while True:
@@ -464,7 +464,7 @@ def wait_until_logged(worker: WorkerProcess, sent: dict[str, Bad]) -> None:
         time.sleep(0.2)
 
 
-def check_lines(worker: WorkerProcess, sent: dict[str, Bad]) -> None:
+def check_lines(worker: RelayrProcess, sent: dict[str, Bad]) -> None:
     """One last line per message, the expected one; no line twice (no redelivery)."""
     problems: list[str] = []
     for task_id, bad in sent.items():

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from relayr.ids import IdDeriver, derive_id, digest
+from relayr.core.ids import IdDeriver, derive_id, digest
 
 RUN = "fir_0123456789abcdef"
 

@@ -53,9 +53,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from structlog.testing import capture_logs
 
 from relayr.actions import RunActions, acting
-from relayr.allowlist import Allowlists, parse_allowlist
 from relayr.bridge import Bridge
-from relayr.emissions import EmissionRecord
+from relayr.core.allowlist import Allowlists
+from relayr.core.allowlist_toml import parse_allowlist
+from relayr.core.emissions import EmissionRecord
 from relayr.ledger import (
     Cause,
     InMemoryLedger,
@@ -577,7 +578,8 @@ REFUSED: dict[str, frozenset[str]] = {
     "lone surrogate": frozenset({"invalid_id"}),
 }
 """The reasons a hostile id may be refused with, when the rule may act anywhere; else
-``not_found``. Under ``chain`` every one of them is ``not_allowed``. An id no storage can hold
+``thread_not_found`` (``not_found`` for an artifact id). Under ``chain`` every one of them is
+``not_allowed``. An id no storage can hold
 is refused before storage is asked, a missing thread before a proposal could name it."""
 OPERATIONS = ("notice", "create", "propose", "edit")
 
@@ -627,7 +629,8 @@ async def refusal(
         actions = await world.attempt(HOME, chain)
         with pytest.raises(RunFailure) as refused:
             await ask(actions, operation, target)
-        expected = {"not_allowed"} if scope == "chain" else REFUSED.get(name, {"not_found"})
+        missing = "not_found" if operation == "edit" else "thread_not_found"
+        expected = {"not_allowed"} if scope == "chain" else REFUSED.get(name, {missing})
         assert refused.value.reason in expected
         assert await world.log(HOME) == before
         lines = [line for line in world.logs if line["event"].startswith("write refused")]

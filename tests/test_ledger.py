@@ -3,8 +3,7 @@
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,35 +12,15 @@ from artifactr.sql import create_sqlite_engine
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from relayr.emissions import EmissionRecord
-from relayr.errors import InvalidEmission
+from relayr.core.errors import InvalidEmission
 from relayr.ledger import Cause, InMemoryLedger, Ledger, SqlLedger, WorkspaceKey
+from tests.builders import NOW, emission
 
-NOW = datetime(2026, 10, 12, 9, 30, tzinfo=UTC)
 WORKSPACE = WorkspaceKey("tenant-1", "ws-1")
 FIRST = Cause(correlation_id="cor-1", firing_id="fir-1", run_id="fir-1", depth=0)
 SECOND = Cause(correlation_id="cor-2", firing_id="fir-2", run_id="fir-2", depth=1)
 
 SQL_DATABASES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
-
-
-def emission(**changes: Any) -> EmissionRecord:
-    record = EmissionRecord(
-        kind="notice",
-        rule="ops:triage",
-        run_id="fir-1",
-        attempt=1,
-        epoch=1,
-        tenant_id=WORKSPACE.tenant_id,
-        workspace_id=WORKSPACE.workspace_id,
-        thread_id="thr-1",
-        message_id="msg-1",
-        policy="notice",
-        outcome="posted",
-        content="build 42 failed",
-        emitted_at=NOW,
-    )
-    return replace(record, **changes)
 
 
 def database_url(request: pytest.FixtureRequest, tmp_path: Path, database: str) -> str:

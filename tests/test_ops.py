@@ -27,10 +27,10 @@ from reflexr.sql import SqlStorage as RuleSql
 from reflexr.workspace import Reaction, Reactor, RunFailure, Workspaces
 
 from relayr.actions import acting
-from relayr.allowlist import parse_allowlist
 from relayr.application import Application, create_engine, migrate
+from relayr.core.allowlist_toml import parse_allowlist
+from relayr.core.ids import IdDeriver, digest
 from relayr.executor import execute_run
-from relayr.ids import IdDeriver, digest
 from relayr.ledger import WorkspaceKey
 from relayr.ops import RunFilter, cancel, find_run, list_runs, retry, show_run, skip
 from relayr.runtime import Runtime
@@ -314,7 +314,7 @@ async def test_a_turn_that_went_quiet_is_shown_stalled(tmp_path: Path) -> None:
     sent = await runner.send(handle, thread, "look", message_id="msg_1")
     assert sent.run is not None
     ledger = InMemoryLedger()
-    from relayr.emissions import EmissionRecord
+    from relayr.core.emissions import EmissionRecord
 
     record = EmissionRecord(
         kind="message", rule="ops:crash", run_id="fir_1", attempt=1, epoch=1,

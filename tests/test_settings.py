@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from relayr.errors import InvalidSettings
+from relayr.core.errors import InvalidSettings
 from relayr.settings import Settings
 
 EVERY_VARIABLE = {

@@ -18,7 +18,7 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from structlog.testing import capture_logs
 
 from relayr.batch import MAX_BATCH_RUNS
-from relayr.errors import InvalidTask
+from relayr.core.errors import InvalidTask
 from relayr.executor import Executed
 from relayr.logging import configure_logging
 from relayr.settings import Settings
@@ -26,7 +26,7 @@ from tasks.app import celery_config, create_celery, transport_options
 from tasks.runs import (
     LEGACY_TASK_NAME,
     MAX_ID_LENGTH,
-    OUTCOMES,
+    RUN_OUTCOME_LINES,
     TASK_NAME,
     RunIds,
     log_outcome,
@@ -134,9 +134,12 @@ def test_every_outcome_of_the_executor_has_a_line() -> None:
         "interrupted",
         "abandoned",
     }
-    assert set(OUTCOMES) == outcomes
-    assert OUTCOMES["not_due"] == (logging.INFO, "run not due: nothing to do")
-    assert OUTCOMES["contended"] == (logging.INFO, "run held by another worker: nothing to do")
+    assert set(RUN_OUTCOME_LINES) == outcomes
+    assert RUN_OUTCOME_LINES["not_due"] == (logging.INFO, "run not due: nothing to do")
+    assert RUN_OUTCOME_LINES["contended"] == (
+        logging.INFO,
+        "run held by another worker: nothing to do",
+    )
 
 
 def test_an_outcome_is_logged_with_its_run_fields() -> None:

@@ -28,12 +28,12 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from relayr.actions import acting
-from relayr.allowlist import load_allowlist
+from relayr.allowlist_file import load_allowlist
 from relayr.application import Application, open_storage
 from relayr.batch import RunBatch
+from relayr.core.ids import IdDeriver, digest
 from relayr.dispatch import Dispatcher
 from relayr.executor import execute_runs
-from relayr.ids import IdDeriver, digest
 from relayr.ledger import WorkspaceKey
 from relayr.runtime import Runtime
 from relayr.settings import Settings

@@ -26,7 +26,7 @@ from relayr.settings import Settings
 from tasks.app import create_celery
 from tasks.runs import send_runs
 from tests.apps import TURN_RELEASE_FILE
-from tests.workers import WorkerProcess, relayr_environment, running_worker
+from tests.workers import RelayrProcess, relayr_environment, running_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(900)]
 """Bounded well above what a scenario needs on a quiet machine (under a minute for 220 runs):
@@ -173,14 +173,14 @@ def test_a_malformed_message_is_refused_in_one_line_and_the_worker_goes_on(
     assert summary["problems"] == []
 
 
-def log_lines(worker: WorkerProcess) -> Iterator[dict[str, Any]]:
+def log_lines(worker: RelayrProcess) -> Iterator[dict[str, Any]]:
     for line in worker.log().splitlines():
         if line.startswith("{"):
             yield json.loads(line)
 
 
 def wait_for_lines(
-    worker: WorkerProcess, event: str, *, count: int, timeout_s: float = 30
+    worker: RelayrProcess, event: str, *, count: int, timeout_s: float = 30
 ) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -213,7 +213,7 @@ def test_sigterm_lets_running_turns_finish_within_the_grace_period(tmp_path: Pat
 
 
 async def run_until_turns_started(
-    settings: Settings, plan: Plan, worker: WorkerProcess
+    settings: Settings, plan: Plan, worker: RelayrProcess
 ) -> dict[str, Any]:
     """Publish, wait until every turn runs (each waits for the release), SIGTERM the worker,
     release the turns once a pool process waits for them, then count completed turns."""
@@ -280,7 +280,7 @@ def test_a_task_that_kills_its_worker_is_not_run_again_past_the_bound(tmp_path: 
     assert "signal 9 (SIGKILL)" in worker.log()
 
 
-async def crash_once(settings: Settings, worker: WorkerProcess) -> Any:
+async def crash_once(settings: Settings, worker: RelayrProcess) -> Any:
     from reflexr import SourceActor
 
     from tests.apps import Crash
@@ -331,7 +331,7 @@ def test_the_soft_time_limit_interrupts_a_run_and_the_process_goes_on(tmp_path: 
     assert "signal 9" not in worker.log()  # the hard limit never fired
 
 
-async def sleep_twice(settings: Settings, worker: WorkerProcess) -> tuple[Any, Any]:
+async def sleep_twice(settings: Settings, worker: RelayrProcess) -> tuple[Any, Any]:
     """One run that sleeps past the soft limit, then one that does not, in one pool process."""
     from reflexr import SourceActor
 

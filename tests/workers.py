@@ -20,15 +20,12 @@ from relayr.cli.processes import READY_TIMEOUT_S, STOP_TIMEOUT_S, RelayrProcess
 REPO = Path(__file__).resolve().parent.parent
 ALLOWLIST = REPO / "rules" / "allowlist.toml"
 
-WorkerProcess = RelayrProcess
-"""A running worker: its process, name and log file."""
-
 __all__ = [
     "ALLOWLIST",
     "READY_TIMEOUT_S",
     "REPO",
     "STOP_TIMEOUT_S",
-    "WorkerProcess",
+    "RelayrProcess",
     "relayr_environment",
     "running_worker",
     "start_worker",

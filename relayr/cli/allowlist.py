@@ -35,8 +35,9 @@ def allowlist_check(file: Path | None, as_json: bool) -> None:
     Also warns about entries that name no rule the application has, and about rules that get
     turns through a namespace or the default rather than their own entry.
     """
-    from relayr.allowlist import load_allowlist, warnings
-    from relayr.errors import InvalidAllowlist
+    from relayr.allowlist_file import load_allowlist
+    from relayr.core.allowlist import warnings
+    from relayr.core.errors import InvalidAllowlist
 
     settings = load_settings()
     path = file or settings.allowlist
@@ -70,8 +71,8 @@ def allowlist_check(file: Path | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the grant as one JSON object.")
 def allowlist_explain(rule: str, file: Path | None, as_json: bool) -> None:
     """Say what RULE may do, and which entry gave each permission."""
-    from relayr.allowlist import load_allowlist
-    from relayr.errors import InvalidAllowlist
+    from relayr.allowlist_file import load_allowlist
+    from relayr.core.errors import InvalidAllowlist
 
     path = file or load_settings().allowlist
     try:

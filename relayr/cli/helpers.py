@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn
 
 import click
 
-from relayr.errors import InvalidAllowlist, InvalidApplication, InvalidSettings, RelayrError
+from relayr.core.errors import InvalidAllowlist, InvalidApplication, InvalidSettings, RelayrError
 from relayr.settings import Settings
 
 if TYPE_CHECKING:

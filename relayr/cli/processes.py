@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Self
 
-from relayr.errors import RelayrError
+from relayr.core.errors import RelayrError
 from relayr.settings import child_environment
 
 READY_MARKER: Final = " ready."

@@ -84,14 +84,14 @@ def enqueuer(settings: "Settings") -> Enqueue:
     """Hands a run to the workers, as the dispatcher does, trying a broker that is down again.
 
     A transient fault (:func:`is_transient_broker_fault`) is tried again, at most
-    :data:`BROKER_TRIES` times; the last one raises :class:`relayr.errors.BrokerUnavailable`.
+    :data:`BROKER_TRIES` times; the last one raises :class:`relayr.core.errors.BrokerUnavailable`.
     Anything else is raised as it is.
     """
     import asyncio
 
     from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-    from relayr.errors import BrokerUnavailable
+    from relayr.core.errors import BrokerUnavailable
     from relayr.health import redact
     from tasks.app import create_celery
     from tasks.runs import RunIds, send_run

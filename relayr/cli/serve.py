@@ -120,9 +120,9 @@ def check_worker_inputs(settings: Settings) -> None:
 
 def worker_input_problem(settings: Settings) -> str | None:
     """What keeps a worker from starting (its allowlist or application), or None."""
-    from relayr.allowlist import load_allowlist
+    from relayr.allowlist_file import load_allowlist
     from relayr.application import load_factory
-    from relayr.errors import RelayrError
+    from relayr.core.errors import RelayrError
 
     try:
         load_allowlist(settings.allowlist)

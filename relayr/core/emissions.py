@@ -1,138 +1,255 @@
 """Emission records: one durable, validated record of each notice or send a run made.
 
-Modelled on the "Operator Messages" seed: the record says what was emitted, by which rule and
-run, where, by which route (``policy``) and with which outcome. A record is validated when it is
-written and again when it is read; a bad one is refused with a named code and never stored, so
-what ops read back is always a record this schema allows. Pure: no clock, no I/O.
+Modelled on the "operator messages" emitters: the record says what was emitted, by which rule
+and run, where, by which route (``policy``) and with which outcome, and says what artifactr
+holds (a retried post whose first attempt posted a notice is recorded as that notice, whatever
+the allowlist says now). A record is validated when it is written and again when it is read; a
+bad one is refused with a named code (:data:`CODES`) and never stored, so what ops read back is
+always a record this schema allows.
+
+The record is a pydantic model, so its JSON Schema is published with the repository
+(``docs/emission-record.schema.json``, :func:`json_schema`; a test keeps the two equal). Pure:
+no clock, no I/O.
 """
 
+import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
-from relayr.errors import InvalidEmission
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    PlainValidator,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
 
-SCHEMA_VERSION = 1
+from relayr.core.errors import InvalidEmission
+
+SCHEMA_VERSION: Final = 1
 
 type EmissionKind = Literal["notice", "message"]
-type Policy = Literal["notice", "turn"]
-type Outcome = Literal["posted", "already_posted", "asked"]
+type EmissionPolicy = Literal["notice", "turn"]
+type EmissionOutcome = Literal["posted", "already_posted", "asked"]
 
-KINDS: frozenset[str] = frozenset(get_args(EmissionKind.__value__))
-POLICIES: frozenset[str] = frozenset(get_args(Policy.__value__))
-OUTCOMES: frozenset[str] = frozenset(get_args(Outcome.__value__))
+EMISSION_KINDS: Final = frozenset(get_args(EmissionKind.__value__))
+EMISSION_POLICIES: Final = frozenset(get_args(EmissionPolicy.__value__))
+EMISSION_OUTCOMES: Final = frozenset(get_args(EmissionOutcome.__value__))
 
-# Which route each kind takes, and which outcomes it can have: a notice never asks for a turn.
-_POLICY_OF_KIND: Mapping[str, str] = {"notice": "notice", "message": "turn"}
-_OUTCOMES_OF_KIND: Mapping[str, frozenset[str]] = {
+POLICY_OF_KIND: Final[Mapping[str, str]] = {"notice": "notice", "message": "turn"}
+"""Which route each kind takes: a notice is posted as one, a message is a send."""
+
+OUTCOMES_OF_KIND: Final[Mapping[str, frozenset[str]]] = {
     "notice": frozenset({"posted", "already_posted"}),
     "message": frozenset({"posted", "already_posted", "asked"}),
 }
+"""Which outcomes each kind can have: a notice never asks for a turn."""
 
-_TEXT_FIELDS = ("rule", "run_id", "tenant_id", "workspace_id", "thread_id", "message_id")
+CODES: Final = (
+    "UNKNOWN_FIELD",
+    "MISSING_FIELD",
+    "INVALID_SCHEMA_VERSION",
+    "INVALID_FIELD",
+    "INVALID_KIND",
+    "INVALID_POLICY",
+    "INVALID_OUTCOME",
+    "EMPTY_CONTENT",
+    "INVALID_EMITTED_AT",
+    "INVALID_JSON",
+)
+"""Every named rejection of a record, in the order they are looked for: a record wrong in two
+ways is refused with the first."""
+
+_CODE_OF_FIELD: Final = {
+    "schema_version": "INVALID_SCHEMA_VERSION",
+    "kind": "INVALID_KIND",
+    "policy": "INVALID_POLICY",
+    "outcome": "INVALID_OUTCOME",
+    "content": "EMPTY_CONTENT",
+    "emitted_at": "INVALID_EMITTED_AT",
+}
 
 
-@dataclass(frozen=True)
-class EmissionRecord:
+def _timestamp(value: object) -> datetime:
+    """An aware time, or an ISO 8601 text of one; nothing else (not a number of seconds)."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise PydanticCustomError(
+                "INVALID_EMITTED_AT", "emitted_at {value} is not an ISO 8601 time", {"value": value}
+            ) from None
+    if not isinstance(value, datetime) or value.tzinfo is None:
+        raise PydanticCustomError("INVALID_EMITTED_AT", "emitted_at must be a timezone-aware time")
+    return value
+
+
+def _version(value: object) -> int:
+    if type(value) is not int or value != SCHEMA_VERSION:
+        raise PydanticCustomError(
+            "INVALID_SCHEMA_VERSION",
+            "schema_version {value} is not {version}",
+            {"value": repr(value), "version": SCHEMA_VERSION},
+        )
+    return value
+
+
+def _content(value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise PydanticCustomError("EMPTY_CONTENT", "content is empty or whitespace only")
+    return value
+
+
+_Id = Annotated[StrictStr, Field(min_length=1)]
+_Count = Annotated[StrictInt, Field(ge=1)]
+_Timestamp = Annotated[
+    datetime,
+    PlainValidator(_timestamp),
+    WithJsonSchema({"type": "string", "format": "date-time"}),
+]
+_Version = Annotated[
+    int,
+    PlainValidator(_version),
+    WithJsonSchema({"const": SCHEMA_VERSION, "type": "integer", "default": SCHEMA_VERSION}),
+]
+_Content = Annotated[
+    str, PlainValidator(_content), WithJsonSchema({"type": "string", "pattern": r"\S"})
+]
+
+
+def _kind_rules() -> list[JsonValue]:
+    """The JSON Schema's form of :data:`POLICY_OF_KIND` and :data:`OUTCOMES_OF_KIND`."""
+    return [
+        {
+            "if": {"properties": {"kind": {"const": kind}}},
+            "then": {
+                "properties": {
+                    "policy": {"const": POLICY_OF_KIND[kind]},
+                    "outcome": {"enum": list[JsonValue](sorted(OUTCOMES_OF_KIND[kind]))},
+                }
+            },
+        }
+        for kind in sorted(EMISSION_KINDS)
+    ]
+
+
+class EmissionRecord(BaseModel):
     """What one notice or send of one attempt did.
 
     ``attempt`` counts from 1 again after an operator's retry; ``epoch`` never goes back, so
     (run, epoch, message) names one emission for good.
     """
 
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        title="relayr emission record",
+        json_schema_extra={"allOf": _kind_rules()},
+    )
+
     kind: EmissionKind
-    rule: str
-    run_id: str
-    attempt: int
-    epoch: int
-    tenant_id: str
-    workspace_id: str
-    thread_id: str
-    message_id: str
-    policy: Policy
-    outcome: Outcome
-    content: str
-    emitted_at: datetime
-    schema_version: int = SCHEMA_VERSION
+    rule: _Id
+    run_id: _Id
+    attempt: _Count
+    epoch: _Count
+    tenant_id: _Id
+    workspace_id: _Id
+    thread_id: _Id
+    message_id: _Id
+    policy: EmissionPolicy
+    outcome: EmissionOutcome
+    content: _Content
+    emitted_at: _Timestamp
+    schema_version: _Version = SCHEMA_VERSION
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _named(cls, data: Any, handler: Any) -> Any:
+        """Every refusal as :class:`InvalidEmission` with its named code, not pydantic's."""
+        try:
+            record = handler(data)
+        except ValidationError as invalid:
+            raise _named_error(invalid, data) from None
+        if POLICY_OF_KIND[record.kind] != record.policy:
+            raise InvalidEmission(
+                "INVALID_POLICY", f"a {record.kind} cannot have policy {record.policy!r}"
+            )
+        if record.outcome not in OUTCOMES_OF_KIND[record.kind]:
+            raise InvalidEmission(
+                "INVALID_OUTCOME", f"a {record.kind} cannot have outcome {record.outcome!r}"
+            )
+        return record
 
     def to_json(self) -> dict[str, Any]:
         """The record as JSON-ready data, the form it is stored in."""
-        data = asdict(self)
+        data = self.model_dump()
         data["emitted_at"] = self.emitted_at.isoformat()
         return data
 
 
-FIELDS: frozenset[str] = frozenset(EmissionRecord.__dataclass_fields__)
+FIELDS: Final = frozenset(EmissionRecord.model_fields)
 
 
 def validate_emission(data: Mapping[str, Any]) -> EmissionRecord:
     """Return the record ``data`` describes, or raise naming what is wrong.
 
     Raises:
-        InvalidEmission: ``UNKNOWN_FIELD``, ``MISSING_FIELD``, ``INVALID_SCHEMA_VERSION``,
-            ``INVALID_FIELD`` (a wrong type or an empty id), ``INVALID_KIND``,
-            ``INVALID_POLICY``, ``INVALID_OUTCOME``, ``EMPTY_CONTENT`` or
-            ``INVALID_EMITTED_AT``.
+        InvalidEmission: With one of :data:`CODES`.
     """
-    unknown = sorted(set(data) - FIELDS)
+    if not isinstance(data, Mapping):
+        raise InvalidEmission("INVALID_JSON", "an emission record is a JSON object")
+    return EmissionRecord.model_validate(dict(data))
+
+
+def json_schema() -> str:
+    """The record's JSON Schema as ``docs/emission-record.schema.json`` holds it."""
+    schema = EmissionRecord.model_json_schema(mode="validation")
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def _named_error(invalid: ValidationError, data: Any) -> InvalidEmission:
+    """The first problem of ``invalid``, in the order of :data:`CODES`, as a named refusal."""
+    errors = invalid.errors()
+    unknown = sorted(str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden")
     if unknown:
-        raise InvalidEmission("UNKNOWN_FIELD", f"unknown emission field(s): {', '.join(unknown)}")
-    missing = sorted(FIELDS - set(data) - {"schema_version"})
+        return InvalidEmission("UNKNOWN_FIELD", f"unknown emission field(s): {', '.join(unknown)}")
+    missing = sorted(str(e["loc"][0]) for e in errors if e["type"] == "missing")
     if missing:
-        raise InvalidEmission("MISSING_FIELD", f"missing emission field(s): {', '.join(missing)}")
-    version = data.get("schema_version", SCHEMA_VERSION)
-    if version != SCHEMA_VERSION or isinstance(version, bool):
-        raise InvalidEmission(
-            "INVALID_SCHEMA_VERSION", f"schema_version {version!r} is not {SCHEMA_VERSION}"
-        )
-    for name in _TEXT_FIELDS:
-        value = data[name]
-        if not isinstance(value, str) or not value:
-            raise InvalidEmission("INVALID_FIELD", f"{name} must be a non-empty string")
-    for name in ("attempt", "epoch"):
-        number = data[name]
-        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
-            raise InvalidEmission(
-                "INVALID_FIELD", f"{name} must be a positive integer, not {number!r}"
-            )
-    kind, policy, outcome = data["kind"], data["policy"], data["outcome"]
-    if kind not in KINDS:
-        raise InvalidEmission("INVALID_KIND", f"kind {kind!r} is not one of {sorted(KINDS)}")
-    if policy not in POLICIES or _POLICY_OF_KIND[kind] != policy:
-        raise InvalidEmission("INVALID_POLICY", f"a {kind} cannot have policy {policy!r}")
-    if outcome not in _OUTCOMES_OF_KIND[kind]:
-        raise InvalidEmission("INVALID_OUTCOME", f"a {kind} cannot have outcome {outcome!r}")
-    content = data["content"]
-    if not isinstance(content, str) or not content.strip():
-        raise InvalidEmission("EMPTY_CONTENT", "content is empty or whitespace only")
-    emitted_at = _timestamp(data["emitted_at"])
-    return EmissionRecord(
-        kind=kind,
-        rule=data["rule"],
-        run_id=data["run_id"],
-        attempt=data["attempt"],
-        epoch=data["epoch"],
-        tenant_id=data["tenant_id"],
-        workspace_id=data["workspace_id"],
-        thread_id=data["thread_id"],
-        message_id=data["message_id"],
-        policy=policy,
-        outcome=outcome,
-        content=content,
-        emitted_at=emitted_at,
-        schema_version=SCHEMA_VERSION,
-    )
+        return InvalidEmission("MISSING_FIELD", f"missing emission field(s): {', '.join(missing)}")
+    named = sorted((_code(error), _message(error, data)) for error in errors)
+    code, message = min(named, key=lambda found: CODES.index(found[0]))
+    return InvalidEmission(code, message)
 
 
-def _timestamp(value: object) -> datetime:
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value)
-        except ValueError:
-            raise InvalidEmission(
-                "INVALID_EMITTED_AT", f"emitted_at {value!r} is not an ISO 8601 time"
-            ) from None
-    if not isinstance(value, datetime) or value.tzinfo is None:
-        raise InvalidEmission("INVALID_EMITTED_AT", "emitted_at must be a timezone-aware time")
-    return value
+def _code(error: ErrorDetails) -> str:
+    if error["type"] in CODES:
+        return error["type"]
+    field = str(error["loc"][0]) if error["loc"] else ""
+    return _CODE_OF_FIELD.get(field, "INVALID_FIELD")
+
+
+def _message(error: ErrorDetails, data: Any) -> str:
+    if error["type"] in CODES:
+        return error["msg"]
+    field = str(error["loc"][0]) if error["loc"] else "record"
+    given = data.get(field) if isinstance(data, Mapping) else None
+    if field in ("kind", "policy", "outcome"):
+        return f"{field} {given!r} is not one of {sorted(_CHOICES[field])}"
+    if field in ("attempt", "epoch"):
+        return f"{field} must be a positive integer, not {given!r}"
+    return f"{field} must be a non-empty string"
+
+
+_CHOICES: Final = {
+    "kind": EMISSION_KINDS,
+    "policy": EMISSION_POLICIES,
+    "outcome": EMISSION_OUTCOMES,
+}

@@ -14,7 +14,8 @@ Pure: no I/O, no clock.
 import hashlib
 import json
 from collections import Counter
-from typing import Final, Literal
+from collections.abc import Mapping
+from typing import Any, Final, Literal
 
 type Prefix = Literal["msg", "thr", "prp", "art"]
 
@@ -26,6 +27,11 @@ astronomically unlikely, and ids stay as short as artifactr's own."""
 def digest(text: str) -> str:
     """The SHA-256 of ``text`` in hex: what an id carries of a write's content."""
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def canonical(data: Mapping[str, Any]) -> str:
+    """JSON data as one text, keys sorted: what an id's digest of a write's data is made over."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def derive_id(

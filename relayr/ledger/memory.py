@@ -10,7 +10,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from relayr.emissions import EmissionRecord, validate_emission
+from relayr.core.emissions import EmissionRecord, validate_emission
 from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind
 
 type _CauseKey = tuple[WorkspaceKey, WriteKind, str]

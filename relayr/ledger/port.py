@@ -11,7 +11,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from relayr.emissions import EmissionRecord
+from relayr.core.emissions import EmissionRecord
 
 type WriteKind = Literal["message", "thread", "proposal", "artifact"]
 

@@ -40,8 +40,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from relayr.emissions import EmissionRecord, validate_emission
-from relayr.errors import InvalidEmission
+from relayr.core.emissions import EmissionRecord, validate_emission
+from relayr.core.errors import InvalidEmission
 from relayr.ledger.port import Cause, CauseRecord, LedgerWrites, WorkspaceKey, WriteKind
 from relayr.ledger.riding import Statements, riding
 

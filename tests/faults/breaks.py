@@ -27,7 +27,7 @@ from tests.faults.load import Fault, Load
 from tests.faults.private_redis import PrivateRedis
 from tests.faults.processes import alive, children
 from tests.faults.relay import log_lines, refused
-from tests.workers import WorkerProcess
+from tests.workers import RelayrProcess
 
 FIRST_SHARE: Final = 0.3
 """The part of the load that runs before a one-off fault: the fault strikes mid-load."""
@@ -55,7 +55,7 @@ async def _until(condition: Callable[[], bool], what: str, timeout_s: float) -> 
         await asyncio.sleep(POLL_S)
 
 
-def _in_pool(worker: WorkerProcess, held: list[Held]) -> list[int]:
+def _in_pool(worker: RelayrProcess, held: list[Held]) -> list[int]:
     """The worker's pool processes, after checking that each held run is in one of them."""
     pool = children(worker.process.pid)
     for run in held:
@@ -107,7 +107,7 @@ def kill_pool_processes(kills: int, *, seed: int, concurrency: int = 2) -> Fault
     return fault
 
 
-async def _pool_replaced(worker: WorkerProcess, size: int) -> float:
+async def _pool_replaced(worker: RelayrProcess, size: int) -> float:
     """Seconds until the worker has ``size`` live pool processes again."""
     started = time.monotonic()
     await _until(

@@ -46,7 +46,7 @@ from tests.faults.constants import (
 )
 from tests.faults.holds import BEFORE, Held, Holds, Point
 from tests.faults.relay import Handed, dispatching, log_lines, lost_task, outcome_of
-from tests.workers import WorkerProcess, start_worker
+from tests.workers import RelayrProcess, start_worker
 
 
 def load_plan() -> Plan:
@@ -71,7 +71,7 @@ class Load:
     published: Plan = field(default_factory=lambda: Plan(deploys=0, incidents=0))
     parts: int = 0
     expected: Mapping[str, int] = field(default_factory=dict)
-    workers: list[WorkerProcess] = field(default_factory=list)
+    workers: list[RelayrProcess] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
     attempts_at_fault: dict[str, int] = field(default_factory=dict)
     """The attempts (run id: epoch) the fault must let finish, if it keeps them."""
@@ -94,7 +94,7 @@ class Load:
 
     # ─── workers ──────────────────────────────────────────────────────────────
 
-    async def start_worker(self, *, concurrency: int = 2, **settings: object) -> WorkerProcess:
+    async def start_worker(self, *, concurrency: int = 2, **settings: object) -> RelayrProcess:
         """Start one more worker (on this load's queue, with extra settings if given)."""
         environment = dict(self.environment)
         for name, value in settings.items():

@@ -23,7 +23,7 @@ from relayr.dispatch import Dispatcher
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
-from tasks.runs import OUTCOMES, send_runs
+from tasks.runs import RUN_OUTCOME_LINES, send_runs
 
 
 @dataclass
@@ -64,7 +64,7 @@ async def dispatching(runtime: Runtime, settings: Settings) -> AsyncIterator[Han
 
 # ─── reading the workers' logs ───────────────────────────────────────────────
 
-_OUTCOME_MESSAGES: Final = {message: outcome for outcome, (_, message) in OUTCOMES.items()}
+_OUTCOME_MESSAGES: Final = {message: outcome for outcome, (_, message) in RUN_OUTCOME_LINES.items()}
 
 _OTHER_ENDS: Final = {
     "run interrupted by the task's soft time limit": "soft_time_limit",
