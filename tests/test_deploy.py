@@ -395,6 +395,22 @@ def test_pods_run_as_the_images_non_root_user() -> None:
         assert unit_values(path, "Service", "User") == ["relayr"]
 
 
+def test_no_shipped_file_promises_a_reload_no_process_makes() -> None:
+    """Nothing reloads the allowlist on a signal (a worker's main process takes SIGHUP as a
+    restart), so neither the example file nor the ConfigMap may say otherwise (issue 11)."""
+    shipped = [
+        REPO / "rules" / "allowlist.toml",
+        REPO / "deploy" / "k8s" / "allowlist-configmap.yaml",
+        REPO / "relayr" / "allowlist_file.py",
+    ]
+    for path in shipped:
+        text = path.read_text()
+        promises = [line for line in text.splitlines() if "SIGHUP" in line and "on SIGHUP" in line]
+        assert promises == [], path
+        if path.suffix != ".py":
+            assert "takes SIGHUP as a restart" in text, path
+
+
 def test_the_allowlist_configmap_is_valid_and_reloads_live() -> None:
     (configmap,) = [document for _, document in k8s_documents() if document["kind"] == "ConfigMap"]
     name = configmap["metadata"]["name"]
