@@ -96,6 +96,21 @@ async def test_causes_are_kept_apart_per_workspace_and_kind(ledger: Ledger) -> N
     assert await ledger.cause(WORKSPACE, "thread", "id-1") is None
 
 
+async def test_causes_are_read_together_each_under_its_kind(ledger: Ledger) -> None:
+    other_workspace = WorkspaceKey(WORKSPACE.tenant_id, "ws-2")
+    await ledger.record_cause(WORKSPACE, "message", "id-1", FIRST)
+    await ledger.record_cause(WORKSPACE, "proposal", "id-2", SECOND)
+    await ledger.record_cause(other_workspace, "message", "id-3", SECOND)
+
+    found = await ledger.causes(
+        WORKSPACE,
+        {("message", "id-1"), ("proposal", "id-2"), ("message", "id-2"), ("message", "id-3")},
+    )
+
+    assert found == {("message", "id-1"): FIRST, ("proposal", "id-2"): SECOND}
+    assert await ledger.causes(WORKSPACE, set()) == {}
+
+
 async def test_concurrent_causes_under_one_key_keep_exactly_one(ledger: Ledger) -> None:
     contenders = [
         Cause(correlation_id=f"cor-{n}", firing_id=f"fir-{n}", run_id=f"fir-{n}", depth=n)

@@ -7,7 +7,7 @@ emission record is stored as the JSON it was validated into and validated again 
 """
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 
 from relayr.core.emissions import EmissionRecord, validate_emission
@@ -31,6 +31,12 @@ class InMemoryLedger:
 
     async def cause(self, workspace: WorkspaceKey, kind: WriteKind, key: str) -> Cause | None:
         return self._causes.get((workspace, kind, key))
+
+    async def causes(
+        self, workspace: WorkspaceKey, keys: Collection[tuple[WriteKind, str]]
+    ) -> dict[tuple[WriteKind, str], Cause]:
+        found = ((key, self._causes.get((workspace, *key))) for key in keys)
+        return {key: cause for key, cause in found if cause is not None}
 
     async def record_emission(self, record: EmissionRecord) -> None:
         data = validate_emission(record.to_json()).to_json()

@@ -6,7 +6,7 @@ retried attempt records the same cause again and changes nothing, so the ledger 
 run made this?" for every write, even one whose attempt died right after it (ADR-0026).
 """
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -89,6 +89,13 @@ class Ledger(Protocol):
 
     async def cause(self, workspace: WorkspaceKey, kind: WriteKind, key: str) -> Cause | None:
         """Return the cause recorded under ``key``, or None."""
+        ...
+
+    async def causes(
+        self, workspace: WorkspaceKey, keys: Collection[tuple[WriteKind, str]]
+    ) -> dict[tuple[WriteKind, str], Cause]:
+        """Return the causes recorded under ``keys`` (kind and key each), in one read; keys with
+        none are left out."""
         ...
 
     async def record_emission(self, record: EmissionRecord) -> None:

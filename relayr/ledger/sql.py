@@ -17,7 +17,7 @@ while holding a connection of the same engine.
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Self
 
@@ -32,8 +32,10 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    and_,
     inspect,
     make_url,
+    or_,
     select,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -180,6 +182,29 @@ class SqlLedger:
         async with self._transaction() as connection:
             found = (await connection.execute(_select_cause(workspace, kind, key))).first()
         return None if found is None else Cause(*found)
+
+    async def causes(
+        self, workspace: WorkspaceKey, keys: Collection[tuple[WriteKind, str]]
+    ) -> dict[tuple[WriteKind, str], Cause]:
+        by_kind: dict[str, list[str]] = {}
+        for kind, key in keys:
+            by_kind.setdefault(kind, []).append(key)
+        if not by_kind:
+            return {}
+        table = causes_table
+        query = select(table.c.kind, table.c.key, *_CAUSE_COLUMNS).where(
+            table.c.tenant_id == workspace.tenant_id,
+            table.c.workspace_id == workspace.workspace_id,
+            or_(
+                *(
+                    and_(table.c.kind == kind, table.c.key.in_(named))
+                    for kind, named in by_kind.items()
+                )
+            ),
+        )
+        async with self._transaction() as connection:
+            rows = (await connection.execute(query)).all()
+        return {(row[0], row[1]): Cause(*row[2:]) for row in rows}
 
     async def record_emission(self, record: EmissionRecord) -> None:
         insert = self._insert_unless_present(emissions_table, _EMISSION_KEY).values(
