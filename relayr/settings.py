@@ -1,8 +1,11 @@
 """relayr's settings: read once from ``RELAYR_*`` environment variables into one frozen object.
 
-This is the only module that reads the environment. Everything else is handed a
-:class:`Settings`, so a worker, the dispatcher and a test all see one consistent configuration,
-and a bad value stops the process at start with the variable named, not an hour later.
+This is the only module that reads the environment (through pydantic-settings, which maps each
+field to its ``RELAYR_*`` variable and validates it as the field's type says). Everything else is
+handed a :class:`Settings`, so a worker, the dispatcher and a test all see one consistent
+configuration, and a bad value stops the process at start with one line naming the variable
+(:class:`~relayr.core.errors.InvalidSettings`; exit code 2 on the command line), not an hour
+later (ADR-0006).
 
 The embedded defaults need no server: a SQLite file under ``RELAYR_HOME`` for both libraries and
 the ledger, and the ``filesystem://`` broker (relayr's own transport, :mod:`relayr.broker`) in
@@ -16,12 +19,19 @@ a Redis broker redelivers any message unacknowledged for that long, even to a se
 while the first is still running it.
 """
 
-import math
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Final, Literal, Self
+
+from pydantic import AfterValidator, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from relayr.core.errors import InvalidSettings
 
@@ -44,8 +54,36 @@ BROKER_SCHEMES = ("filesystem://", "redis://", "rediss://", "memory://")
 files, ADR-0013), Redis in production, and memory for a worker inside the same process."""
 
 
-@dataclass(frozen=True)
-class Settings:
+def _database(value: str) -> str:
+    if not value.startswith(DATABASE_SCHEMES):
+        raise PydanticCustomError("unusable", f"use one of {', '.join(DATABASE_SCHEMES)}")
+    return value
+
+
+def _broker(value: str) -> str:
+    if not value.startswith(BROKER_SCHEMES):
+        raise PydanticCustomError("unusable", f"use one of {', '.join(BROKER_SCHEMES)}")
+    return value
+
+
+def _factory(value: str) -> str:
+    module, colon, function = value.partition(":")
+    if not (module and colon and function):
+        raise PydanticCustomError("unusable", "name a factory as package.module:function")
+    return value
+
+
+def _queue(value: str) -> str:
+    if not value:
+        raise PydanticCustomError("unnamed", "a queue needs a name")
+    return value
+
+
+_Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""A positive, finite number of seconds."""
+
+
+class Settings(BaseSettings):
     """The whole configuration of a relayr process.
 
     Attributes:
@@ -74,85 +112,80 @@ class Settings:
             usually waits in the queue: a duplicate is harmless but costs a claim.
     """
 
+    model_config = SettingsConfigDict(env_prefix=PREFIX, frozen=True, extra="forbid")
+
     home: Path = DEFAULT_HOME
-    broker_url: str = "filesystem://"
-    database_url: str = ""
-    app: str = DEFAULT_APP
+    broker_url: Annotated[str, AfterValidator(_broker)] = "filesystem://"
+    database_url: Annotated[str, AfterValidator(_database)] = ""
+    app: Annotated[str, AfterValidator(_factory)] = DEFAULT_APP
     allowlist: Path = DEFAULT_ALLOWLIST
     log_format: LogFormat = "console"
-    queue: str = DEFAULT_QUEUE
-    lease_ttl_s: float = 30.0
-    visibility_timeout_s: float = 3600.0
-    soft_time_limit_s: float = 300.0
-    time_limit_s: float = 360.0
-    max_redeliveries: int = 3
-    turn_grace_s: float = 30.0
-    dispatch_interval_s: float = 1.0
-    requeue_after_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not self.database_url:
-            object.__setattr__(self, "database_url", default_database_url(self.home))
-        self.check()
+    queue: Annotated[str, AfterValidator(_queue)] = DEFAULT_QUEUE
+    lease_ttl_s: _Seconds = 30.0
+    visibility_timeout_s: _Seconds = 3600.0
+    soft_time_limit_s: _Seconds = 300.0
+    time_limit_s: _Seconds = 360.0
+    max_redeliveries: Annotated[int, Field(ge=0)] = 3
+    turn_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 30.0
+    dispatch_interval_s: _Seconds = 1.0
+    requeue_after_s: _Seconds = 60.0
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """``Settings(...)`` is its arguments and the defaults; the environment is read by
+        :meth:`from_env` alone, once, so a test's ``Settings()`` never depends on it."""
+        return (init_settings,)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Self:
         """Read the ``RELAYR_*`` variables; unset or empty ones take their defaults.
+
+        pydantic-settings' own environment source reads them (each field's variable is
+        ``RELAYR_`` and its name in upper case), from ``environ`` rather than the process's
+        when a caller passes one.
 
         Raises:
             InvalidSettings: Naming the variable and what is wrong with its value, or the
                 variables whose values contradict each other.
         """
-        values: dict[str, Any] = {}
-        for name, parse in _PARSERS.items():
-            variable = PREFIX + name.upper()
-            raw = environ.get(variable, "").strip()
-            if not raw:
-                continue
-            try:
-                values[name] = parse(raw)
-            except ValueError as bad:
-                raise InvalidSettings(f"{variable}={raw!r} is invalid: {bad}") from None
-        return cls(**values)
+        source = EnvSettingsSource(cls, env_prefix=PREFIX, case_sensitive=False)
+        source.env_vars = {
+            name.lower(): value.strip()
+            for name, value in environ.items()
+            if name.startswith(PREFIX) and value.strip()
+        }
+        return cls(**source())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"settings are read once and frozen: {name} cannot change")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _named(cls, data: Any, handler: Any) -> Any:
+        """Every refusal as one line naming the variable (:class:`InvalidSettings`)."""
+        if isinstance(data, dict) and not data.get("database_url"):
+            home = Path(data.get("home") or DEFAULT_HOME)
+            data = {**data, "database_url": default_database_url(home)}
+        try:
+            settings = handler(data)
+        except ValidationError as invalid:
+            raise InvalidSettings(_problem(invalid.errors()[0])) from None
+        settings.check()
+        return settings
 
     def check(self) -> None:
-        """Refuse values that cannot work, naming the variables involved.
+        """Refuse values that each look fine but cannot work together.
 
         Raises:
-            InvalidSettings: On the first problem found.
+            InvalidSettings: Naming the variables involved.
         """
-        if not self.database_url.startswith(DATABASE_SCHEMES):
-            raise InvalidSettings(
-                f"RELAYR_DATABASE_URL={self.database_url!r} is invalid: "
-                f"use one of {', '.join(DATABASE_SCHEMES)}"
-            )
-        if not self.broker_url.startswith(BROKER_SCHEMES):
-            raise InvalidSettings(
-                f"RELAYR_BROKER_URL={self.broker_url!r} is invalid: "
-                f"use one of {', '.join(BROKER_SCHEMES)}"
-            )
-        module, colon, function = self.app.partition(":")
-        if not (module and colon and function):
-            raise InvalidSettings(
-                f"RELAYR_APP={self.app!r} is invalid: name a factory as package.module:function"
-            )
-        if self.log_format not in ("json", "console"):
-            raise InvalidSettings(
-                f"RELAYR_LOG_FORMAT={self.log_format!r} is invalid: use json or console"
-            )
-        if not self.queue:
-            raise InvalidSettings("RELAYR_QUEUE is invalid: a queue needs a name")
-        for name in _POSITIVE:
-            if getattr(self, name) <= 0:
-                raise InvalidSettings(
-                    f"{PREFIX}{name.upper()}={getattr(self, name)} is invalid: it must be above 0"
-                )
-        for name in ("max_redeliveries", "turn_grace_s"):
-            if getattr(self, name) < 0:
-                raise InvalidSettings(
-                    f"{PREFIX}{name.upper()}={getattr(self, name)} is invalid: "
-                    "it cannot be negative"
-                )
         if not self.soft_time_limit_s < self.time_limit_s < self.visibility_timeout_s:
             raise InvalidSettings(
                 "the time limits are out of order: RELAYR_SOFT_TIME_LIMIT_S "
@@ -160,6 +193,10 @@ class Settings:
                 f"RELAYR_VISIBILITY_TIMEOUT_S ({self.visibility_timeout_s}) must hold, or the "
                 "broker hands a task that is still running to a second worker"
             )
+
+    def changed(self, **values: Any) -> Self:
+        """These settings with ``values`` instead, validated as a whole again."""
+        return type(self)(**{**self.model_dump(), **values})
 
     @property
     def broker_folder(self) -> Path:
@@ -184,55 +221,33 @@ def default_database_url(home: Path) -> str:
     return f"sqlite+aiosqlite:///{home.absolute() / 'relayr.db'}"
 
 
-def _number(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError("expected a number of seconds") from None
-    if not math.isfinite(value):
-        raise ValueError("expected a finite number of seconds")
-    return value
-
-
-def _count(raw: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError("expected a whole number") from None
-
-
-def _log_format(raw: str) -> LogFormat:
-    if raw not in ("json", "console"):
-        raise ValueError("use json or console")
-    return cast(LogFormat, raw)
-
-
-_PARSERS: dict[str, Callable[[str], Any]] = {
-    "home": Path,
-    "broker_url": str,
-    "database_url": str,
-    "app": str,
-    "allowlist": Path,
-    "log_format": _log_format,
-    "queue": str,
-    "lease_ttl_s": _number,
-    "visibility_timeout_s": _number,
-    "soft_time_limit_s": _number,
-    "time_limit_s": _number,
-    "max_redeliveries": _count,
-    "turn_grace_s": _number,
-    "dispatch_interval_s": _number,
-    "requeue_after_s": _number,
+_PROBLEMS: Final = {
+    "float_parsing": "expected a number of seconds",
+    "float_type": "expected a number of seconds",
+    "finite_number": "expected a finite number of seconds",
+    "int_parsing": "expected a whole number",
+    "int_from_float": "expected a whole number",
+    "int_type": "expected a whole number",
+    "literal_error": "use json or console",
 }
+"""What a value that does not parse is told, by pydantic's error type."""
 
-_POSITIVE = (
-    "lease_ttl_s",
-    "visibility_timeout_s",
-    "soft_time_limit_s",
-    "time_limit_s",
-    "dispatch_interval_s",
-    "requeue_after_s",
-)
+
+def _problem(error: ErrorDetails) -> str:
+    """One line naming the variable, its value and what is wrong with it."""
+    field = str(error["loc"][0]) if error["loc"] else "settings"
+    variable = PREFIX + field.upper()
+    given, kind = error.get("input"), error["type"]
+    if kind == "extra_forbidden":
+        return f"{field} is not a setting"
+    if kind == "unnamed":
+        return f"{variable} is invalid: {error['msg']}"
+    if kind in ("greater_than", "greater_than_equal"):
+        number = int(given) if field == "max_redeliveries" else float(given)
+        limit = "it must be above 0" if kind == "greater_than" else "it cannot be negative"
+        return f"{variable}={number} is invalid: {limit}"
+    problem = error["msg"] if kind == "unusable" else _PROBLEMS.get(kind, error["msg"].lower())
+    return f"{variable}={given!r} is invalid: {problem}"
 
 
 def child_environment(overrides: Mapping[str, str] | None = None) -> dict[str, str]:

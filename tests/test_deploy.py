@@ -9,7 +9,6 @@ shutdown grace of every worker deployment is checked against the time limits it 
 The image's recipe is replayed in a fresh virtualenv (no container engine runs here).
 """
 
-import dataclasses
 import re
 import shlex
 import shutil
@@ -38,7 +37,7 @@ UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 ENV_EXAMPLE = DEPLOY / "systemd" / "relayr.env.example"
 
 SETTINGS_VARIABLES = frozenset(
-    PREFIX + field.name.upper() for field in dataclasses.fields(Settings)
+    PREFIX + name.upper() for name in Settings.model_fields
 )
 """Every variable relayr reads: one per settings field."""
 

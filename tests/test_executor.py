@@ -180,7 +180,7 @@ class Harness:
             self.runtime,
             holder=f"{self.runtime.holder}-other",
             executing=set(),
-            settings=dataclasses.replace(self.settings, **settings),
+            settings=self.settings.changed(**settings),
         )
 
     def redeployed(self, application: Application) -> Runtime:

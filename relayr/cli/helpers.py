@@ -14,8 +14,9 @@ One place for each, so every command answers the same way:
   turns relayr's refusals of the settings, application or allowlist into bad input;
   :func:`in_runtime` does so with a :class:`relayr.runtime.Runtime`.
 
-This module imports click and relayr's settings only: every command module imports it, and
-``relayr --help`` imports every command module (ADR-0050).
+This module imports click and relayr's errors only, and the settings (pydantic-settings) when a
+command reads them: every command module imports it, and ``relayr --help`` imports every command
+module (ADR-0050).
 """
 
 import json
@@ -26,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn
 import click
 
 from relayr.core.errors import InvalidAllowlist, InvalidApplication, InvalidSettings, RelayrError
-from relayr.settings import Settings
 
 if TYPE_CHECKING:
     from relayr.runtime import Role, Runtime
+    from relayr.settings import Settings
 
 EXIT_OK: Final = 0
 EXIT_NOT_ALL_DONE: Final = 1
@@ -106,7 +107,7 @@ def parse_id(kind: str, value: str) -> str:
     return value
 
 
-def load_settings(*, log_level: str | None = "WARNING") -> Settings:
+def load_settings(*, log_level: str | None = "WARNING") -> "Settings":
     """Read the settings once; invalid ones stop the command as bad input.
 
     With ``log_level``, logs go to stderr at that level and above, in the settings' format, so
@@ -114,6 +115,8 @@ def load_settings(*, log_level: str | None = "WARNING") -> Settings:
     is Celery's).
     """
     try:
+        from relayr.settings import Settings  # pydantic-settings: not for --help (ADR-0050)
+
         settings = Settings.from_env()
     except RelayrError as error:
         raise BadInput(error.message) from None
@@ -145,7 +148,7 @@ def run_async[T](main: Coroutine[Any, Any, T]) -> T:
 
 
 def in_runtime[T](
-    settings: Settings, work: Callable[["Runtime"], Awaitable[T]], *, role: "Role" = "cli"
+    settings: "Settings", work: Callable[["Runtime"], Awaitable[T]], *, role: "Role" = "cli"
 ) -> T:
     """Run ``work`` on a runtime of this process (:func:`run_async`), then close the runtime."""
 

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import click
 
 from relayr.cli.helpers import EXIT_BAD_INPUT, BadInput, in_runtime, load_settings
-from relayr.settings import Settings
 
 if TYPE_CHECKING:
     import asyncio
 
     from relayr.runtime import Runtime
+    from relayr.settings import Settings
 
 METRICS_ADDRESS: Final = "0.0.0.0"
 """Where ``--metrics-port`` listens: every IPv4 interface, so Prometheus can scrape a pod."""
@@ -107,7 +107,7 @@ def worker(
             server.close()
 
 
-def check_worker_inputs(settings: Settings) -> None:
+def check_worker_inputs(settings: "Settings") -> None:
     """Refuse to start a worker whose allowlist or application cannot be loaded.
 
     Pool processes load both when they start; without this check a worker would start, and
@@ -118,7 +118,7 @@ def check_worker_inputs(settings: Settings) -> None:
         raise BadInput(problem)
 
 
-def worker_input_problem(settings: Settings) -> str | None:
+def worker_input_problem(settings: "Settings") -> str | None:
     """What keeps a worker from starting (its allowlist or application), or None."""
     from relayr.allowlist_file import load_allowlist
     from relayr.application import load_factory
