@@ -30,40 +30,36 @@ What each metric measures:
     Turns that were running when their worker began to stop and ended within the grace period.
 
 Celery's prefork pool runs tasks in child processes, which a scrape of one port must see. So
-every process writes its values to memory-mapped files in one directory (prometheus_client's
-multiprocess format), and the process that serves ``/metrics`` merges them. prometheus_client
-finds that directory through an environment variable; relayr hands it over explicitly instead
-(:func:`enable_multiprocess`, ADR-0030), so configuration still flows only from
-:class:`relayr.settings.Settings` and the command line. A process that never enables it (a
-test, a one-off command) keeps its values in memory, readable through :func:`registry`.
+a worker uses prometheus_client's documented multiprocess mode: :func:`enable_multiprocess` sets
+``PROMETHEUS_MULTIPROC_DIR`` to a directory derived from the settings (through
+:func:`relayr.settings.export_metrics_directory`, the one module that touches the environment)
+before the worker's main process imports prometheus_client and forks its pool; every process
+then writes its values to memory-mapped files there, and the process that serves ``/metrics``
+merges them with prometheus_client's ``MultiProcessCollector`` (ADR-0030). This module imports
+prometheus_client only when a metric is first recorded or served, so the variable is set first.
+A process that never enables it (a test, a one-off command) keeps its values in memory,
+readable through :func:`registry`.
 
 Recording never fails a run: a metric that cannot be written is logged and dropped.
 """
 
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import structlog
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-    mmap_dict,
-    multiprocess,
-    values,
-)
+
+from relayr.settings import export_metrics_directory
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 logger = structlog.get_logger("relayr.metrics")
-
-# prometheus_client leaves these unannotated; they are called as documented in its source
-_MmapedDict: Any = mmap_dict.MmapedDict
-_MultiProcessCollector: Any = multiprocess.MultiProcessCollector
 
 type MetricsRole = Literal["worker", "dispatcher", "cli"]
 
@@ -81,7 +77,9 @@ lost message is found again after ``requeue_after_s`` (60 s); beyond that is a b
 class _Instruments:
     """The metrics themselves, built once the process knows where values are kept."""
 
-    def __init__(self, registry: CollectorRegistry | None) -> None:
+    def __init__(self, registry: "CollectorRegistry | None") -> None:
+        from prometheus_client import Counter, Histogram
+
         self.runs = Counter(
             "relayr_runs_executed",
             "Runs the executor handled, by rule and outcome.",
@@ -138,7 +136,7 @@ class _Instruments:
 @dataclass
 class _State:
     instruments: _Instruments | None = None
-    local: CollectorRegistry | None = None
+    local: "CollectorRegistry | None" = None
     directory: Path | None = None
 
 
@@ -150,6 +148,8 @@ def _instruments() -> _Instruments:
     if _state.instruments is None:
         with _lock:
             if _state.instruments is None:
+                from prometheus_client import CollectorRegistry
+
                 _state.local = CollectorRegistry()
                 _state.instruments = _Instruments(_state.local)
     return _state.instruments
@@ -237,20 +237,28 @@ def enable_multiprocess(directory: Path) -> None:
         if directory.exists():
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
-        # prometheus_client picks how values are kept when a metric is built: from now on, in
-        # files of this directory, one per process (the fork-safe class below)
-        values.ValueClass = _file_value_class(directory)
+        export_metrics_directory(directory)
+        if "prometheus_client.values" in sys.modules:
+            # imported before the variable was set (this process recorded in memory first):
+            # prometheus_client chooses its value class again, from the variable, as at import
+            from prometheus_client import values
+
+            choose: Any = values.get_value_class  # unannotated in prometheus_client
+            values.ValueClass = choose()
         _state.directory = directory
         _state.local = None
         _state.instruments = _Instruments(None)
 
 
-def registry() -> CollectorRegistry:
+def registry() -> "CollectorRegistry":
     """What a scrape of this process returns: every process's values when they are in files."""
     _instruments()
     if _state.directory is not None:
+        from prometheus_client import CollectorRegistry, multiprocess
+
         merged = CollectorRegistry()
-        _MultiProcessCollector(merged, path=str(_state.directory))
+        collector: Any = multiprocess.MultiProcessCollector  # unannotated in prometheus_client
+        collector(merged, path=str(_state.directory))
         return merged
     assert _state.local is not None
     return _state.local
@@ -258,6 +266,8 @@ def registry() -> CollectorRegistry:
 
 def exposition() -> bytes:
     """The text a scrape returns, in Prometheus's format."""
+    from prometheus_client import generate_latest
+
     return generate_latest(registry())
 
 
@@ -285,11 +295,18 @@ def start_metrics_server(port: int, directory: Path | None, *, addr: str = "") -
             right only for a process that runs tasks itself.
         addr: The address to listen on; every interface by default.
     """
-    from prometheus_client import start_http_server
-
     if directory is not None:
         enable_multiprocess(directory)
-    server, thread = start_http_server(port, addr=addr, registry=_ServedRegistry())
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    class Served(CollectorRegistry):
+        """Answers each scrape with :func:`registry`, so values of processes forked later
+        count."""
+
+        def collect(self) -> Any:
+            return registry().collect()
+
+    server, thread = start_http_server(port, addr=addr, registry=Served())
     bound = int(server.server_address[1])
     logger.info("metrics served", port=bound, directory=str(directory) if directory else None)
 
@@ -299,87 +316,3 @@ def start_metrics_server(port: int, directory: Path | None, *, addr: str = "") -
         thread.join(5)
 
     return MetricsServer(port=bound, directory=directory, _stop=stop)
-
-
-class _ServedRegistry(CollectorRegistry):
-    """Answers each scrape with :func:`registry`, so values of processes forked later count."""
-
-    def collect(self) -> Any:
-        return registry().collect()
-
-
-def _file_value_class(directory: Path) -> type:
-    """prometheus_client's per-process file values, in ``directory`` rather than an env var.
-
-    The same files and keys as ``prometheus_client.values.MultiProcessValue``, so its collector
-    merges them; after a fork, the child reopens files of its own before its first write.
-    """
-    files: dict[str, Any] = {}
-    instances: list[Any] = []
-    pid = [os.getpid()]
-    lock = threading.Lock()
-
-    class FileValue:
-        _multiprocess = True
-
-        def __init__(
-            self,
-            typ: str,
-            metric_name: str,
-            name: str,
-            labelnames: Any,
-            labelvalues: Any,
-            help_text: str,
-            multiprocess_mode: str = "",
-            **_: Any,
-        ) -> None:
-            self._key = mmap_dict.mmap_key(metric_name, name, labelnames, labelvalues, help_text)
-            self._prefix = f"{typ}_{multiprocess_mode}" if typ == "gauge" else typ
-            with lock:
-                self._forked()
-                self._open()
-                instances.append(self)
-
-        def _open(self) -> None:
-            if self._prefix not in files:
-                files[self._prefix] = _MmapedDict(str(directory / f"{self._prefix}_{pid[0]}.db"))
-            self._file = files[self._prefix]
-            self._value, self._timestamp = self._file.read_value(self._key)
-
-        @staticmethod
-        def _forked() -> None:
-            if pid[0] == os.getpid():
-                return
-            pid[0] = os.getpid()
-            for file in files.values():
-                file.close()
-            files.clear()
-            for instance in instances:
-                instance._open()
-
-        def inc(self, amount: float) -> None:
-            with lock:
-                self._forked()
-                self._value += amount
-                self._timestamp = 0.0
-                self._file.write_value(self._key, self._value, self._timestamp)
-
-        def set(self, value: float, timestamp: float | None = None) -> None:
-            with lock:
-                self._forked()
-                self._value = value
-                self._timestamp = timestamp or 0.0
-                self._file.write_value(self._key, self._value, self._timestamp)
-
-        def set_exemplar(self, exemplar: Any) -> None:
-            return None
-
-        def get(self) -> float:
-            with lock:
-                self._forked()
-                return float(self._value)
-
-        def get_exemplar(self) -> None:
-            return None
-
-    return FileValue

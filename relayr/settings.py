@@ -250,15 +250,32 @@ def _problem(error: ErrorDetails) -> str:
     return f"{variable}={given!r} is invalid: {problem}"
 
 
+METRICS_DIRECTORY_VARIABLE: Final = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client's documented switch to its multiprocess mode: where every process keeps its
+values (ADR-0030). relayr sets it, from the settings, in a worker that serves ``/metrics``."""
+
+
+def export_metrics_directory(directory: Path) -> None:
+    """Tell prometheus_client, in this process and those it forks, where values are kept.
+
+    The one environment variable relayr sets, here because this module is the one place that
+    touches the environment; :func:`relayr.metrics.enable_multiprocess` calls it.
+    """
+    os.environ[METRICS_DIRECTORY_VARIABLE] = str(directory)
+
+
 def child_environment(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a child process (a worker the CLI starts): this one's, with
     ``overrides`` for ``RELAYR_*``.
 
     With overrides, every other ``RELAYR_*`` variable is left out, so the child runs on exactly
-    the settings given (the demo's embedded defaults) and not on the caller's. It lives here
-    because this module is the one place that reads the environment.
+    the settings given (the demo's embedded defaults) and not on the caller's. This process's
+    metrics directory is always left out: a child that serves metrics names its own, and one
+    that does not must not write into this process's. It lives here because this module is the
+    one place that reads the environment.
     """
     environment = dict(os.environ)
+    environment.pop(METRICS_DIRECTORY_VARIABLE, None)
     if overrides is not None:
         environment = {k: v for k, v in environment.items() if not k.startswith(PREFIX)}
         environment.update(overrides)
