@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from reflexr.workspace import Workspaces as RuleWorkspaces
     from sqlalchemy.ext.asyncio import AsyncEngine
 
+    from relayr.follow.config import Inbound
     from relayr.ledger.port import Ledger
 
 type Library = Literal["artifactr", "reflexr"]
@@ -79,6 +80,9 @@ class Application:
         engines: The engines relayr disposes of when it closes the application.
         ledger: Where causes and emission records are kept. None: relayr keeps them in the
             first engine's database (or in memory, without an engine).
+        inbound: Which workspaces' artifactr logs are bridged into reflexr, and how
+            (:class:`relayr.follow.config.Inbound`). None: every workspace of the tenants
+            reflexr knows, with the default projections.
     """
 
     artifacts: ArtifactWorkspaces
@@ -88,6 +92,7 @@ class Application:
     app_deps: Any = None
     engines: tuple[AsyncEngine, ...] = ()
     ledger: Ledger | None = None
+    inbound: Inbound | None = None
 
     def check(self) -> None:
         """Refuse an application whose code rules name actions it does not have.

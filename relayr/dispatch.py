@@ -1,13 +1,15 @@
 """The dispatcher: decide which runs exist, and hand each due run to a queue, once per attempt.
 
-Each pass ticks reflexr's schedules (when the application has any, with reflexr's ``Reactor``)
-and evaluates the rules of every workspace, each in one transaction up to the log's head as the
-pass found it (:mod:`relayr.evaluation`; any number of dispatchers can run), then reads the runs
-that are due from the store: pending
-and retrying runs whose time has come and that are first in their scope, and ``running`` runs
-whose lease lapsed because their worker died. Due runs of one workspace go to the queue
-together, up to :data:`relayr.batch.MAX_BATCH_RUNS` per message (:class:`RunBatch`); a run
-whose last attempt was abandoned, so may be what killed its worker, goes alone.
+Each pass first follows every workspace's artifactr log into reflexr (:mod:`relayr.follow`:
+the bridged ``artifactr:*`` events, under one lease per workspace, ADR-0065), then ticks
+reflexr's schedules (when the application has any, with reflexr's ``Reactor``) and evaluates
+the rules of every workspace, each in one transaction up to the log's head as the pass found
+it (:mod:`relayr.evaluation`; any number of dispatchers can run), then reads the runs that are
+due from the store: pending and retrying runs whose time has come and that are first in their
+scope, and ``running`` runs whose lease lapsed because their worker died. Due runs of one
+workspace go to the queue together, up to :data:`relayr.batch.MAX_BATCH_RUNS` per message
+(:class:`RunBatch`); a run whose last attempt was abandoned, so may be what killed its worker,
+goes alone.
 
 The store, not the queue, is the truth about a run (ADR-0001), so the dispatcher keeps only a
 hint in memory: which attempt of each run it enqueued, in which message. A run whose attempt
@@ -46,6 +48,7 @@ from relayr import broker
 from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.core import reasons
 from relayr.evaluation import evaluate_all
+from relayr.follow.follower import Followers
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 
@@ -83,6 +86,7 @@ class DispatchPass:
         waiting: Due runs not enqueued again: their message waits in the queue.
         again: Runs enqueued again because their message was presumed lost.
         failed: Runs the queue refused; the next pass tries them again.
+        bridged: Events the followers bridged from artifactr at the start of the pass.
     """
 
     ticks: int = 0
@@ -93,6 +97,7 @@ class DispatchPass:
     waiting: int = 0
     again: int = 0
     failed: int = 0
+    bridged: int = 0
 
 
 @dataclass
@@ -135,6 +140,8 @@ class Dispatcher:
         limit: How many due runs one pass reads.
         queue_depth: How many messages wait in the broker's queue (see the module); by default
             the settings' broker is asked (:func:`relayr.broker.queue_depth`).
+        follow: Whether each pass follows artifactr's logs first; False where ``relayr
+            follow`` runs the followers apart.
     """
 
     def __init__(
@@ -144,8 +151,19 @@ class Dispatcher:
         monotonic: Callable[[], float] = time.monotonic,
         limit: int = DUE_LIMIT,
         queue_depth: QueueDepth | None = None,
+        follow: bool = True,
     ) -> None:
         application = runtime.application
+        self._followers = (
+            Followers.of(
+                application,
+                runtime.bridge.ledger,
+                holder=runtime.holder,
+                lease_ttl_s=runtime.settings.lease_ttl_s,
+            )
+            if follow
+            else None
+        )
         self._rules = application.rules
         self._reactor = Reactor(
             application.rules,
@@ -168,6 +186,7 @@ class Dispatcher:
             Exception: What the storage raised while ticking, evaluating or reading due runs;
                 the next pass starts over. A failing ``enqueue`` is counted, not raised.
         """
+        bridged = (await self._followers.follow_all()).bridged if self._followers else 0
         ticks = await self._reactor.tick() if self._rules.schedules else 0
         firings = await evaluate_all(self._rules)
         policy = RunPolicy.of(self._rules.rules.values())
@@ -206,8 +225,10 @@ class Dispatcher:
             self._sent_now(runs)
             enqueued += len(runs)
             messages += 1
-        done = DispatchPass(ticks, firings, len(due), enqueued, messages, waiting, again, failed)
-        if ticks or firings or enqueued or failed:
+        done = DispatchPass(
+            ticks, firings, len(due), enqueued, messages, waiting, again, failed, bridged
+        )
+        if ticks or firings or enqueued or failed or bridged:
             logger.info("dispatch pass", **vars(done))
         return done
 
@@ -215,8 +236,16 @@ class Dispatcher:
         """Run passes every ``dispatch_interval_s`` until ``stop`` is set.
 
         A pass that fails is logged and the next one starts over; a pass that filled its limit
-        and enqueued something is followed at once by the next.
+        and enqueued something is followed at once by the next. Stopping gives up the
+        followers' leases.
         """
+        try:
+            await self._serve(enqueue, stop)
+        finally:
+            if self._followers is not None:
+                await self._followers.release()
+
+    async def _serve(self, enqueue: Enqueue, stop: asyncio.Event) -> None:
         while not stop.is_set():
             full = False
             try:

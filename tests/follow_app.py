@@ -1,0 +1,219 @@
+"""The inbound side's test application: rules that answer what the follower bridges.
+
+``RELAYR_APP=tests.follow_app:create_follow_app``, in worker and dispatcher subprocesses and in
+the tests' own runtimes:
+
+- ``follow:ask`` (on ``followtest:asked``) sends "question: <text>" in the event's thread, which
+  starts a turn of the offline agent (the allowlist must grant it ``turns``:
+  :data:`ALLOWLIST`); the agent answers "answer: <text>";
+- ``follow:answered`` (on ``artifactr:message_posted`` by ``agent:*``, kind ``message``) posts
+  "answered: <reply>": the agent's reply reached a rule;
+- ``follow:turn-ended`` (on ``artifactr:turn_ended``) posts "turn <id> <outcome>";
+- ``loop:start`` (on ``followtest:looped``) posts "echo at depth 0", and ``loop:echo`` (on
+  ``artifactr:message_posted`` by a ``loop:`` rule, notices included) posts "echo at depth N":
+  a rule that answers its own notices, which reflexr's depth limit (:data:`MAX_DEPTH`) stops
+  after :data:`MAX_DEPTH` notices in all.
+
+When ``RELAYR_HOME`` holds :data:`GATE_ARMED`, the first batch a follower publishes waits after
+its publish, before its cursor moves: it removes the file, writes :data:`GATE_HELD` (its pid)
+and waits there for :data:`GATE_HOLD_MAX_S`. A test kills the follower's process there, so the
+kill lands between the publish and the cursor, on any machine's speed.
+"""
+
+import asyncio
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from artifactr import MarkdownArtifact
+from artifactr import Workspaces as ArtifactWorkspaces
+from artifactr.agent import ArtifactWorkspace, Session, function_model
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, UserPromptPart
+from pydantic_ai.models.function import AgentInfo
+from reflexr import Event, F, RetryPolicy, Rule, on, run
+from reflexr.workspace import Reaction
+from reflexr.workspace import Workspaces as RuleWorkspaces
+
+from relayr.actions import acting
+from relayr.application import Application, open_storage
+from relayr.follow.config import Inbound
+from relayr.follow.events import BRIDGED_EVENTS, PUBLISHERS, MessagePosted, TurnEnded
+from relayr.ledger.port import WorkspaceKey
+from relayr.settings import Settings
+
+FOLLOW_APP: Final = "tests.follow_app:create_follow_app"
+
+MAX_DEPTH: Final = 4
+"""reflexr's depth limit in this application: a loop of rules stops after this many runs."""
+
+ALLOWLIST: Final = """
+[default]
+threads = "chain"
+
+[rules."follow:ask"]
+turns = true
+"""
+
+GATE_ARMED: Final = "follow-gate-armed"
+GATE_HELD: Final = "follow-gate-held"
+GATE_HOLD_MAX_S: Final = 120.0
+"""How long a held follower waits for the test to kill it before it goes on anyway."""
+
+
+class FollowTestEvent(Event, abstract=True, event_namespace="followtest"):
+    """Events that start the test application's chains."""
+
+
+class Asked(FollowTestEvent, name="asked"):
+    """Makes ``follow:ask`` send a question in ``thread_id``."""
+
+    thread_id: str
+    text: str
+
+
+class Looped(FollowTestEvent, name="looped"):
+    """Makes ``loop:echo`` post its first echo in ``thread_id``."""
+
+    thread_id: str
+
+
+RETRY: Final = RetryPolicy(max_attempts=5)
+
+ASK = Rule(
+    name="follow:ask",
+    when=on(Asked),
+    then=run("ask"),
+    ordering="none",
+    start="beginning",
+    retry=RETRY,
+)
+
+ANSWERED = Rule(
+    name="follow:answered",
+    when=on(MessagePosted).where(F.author.matches(r"^agent:"), F.kind.eq("message")),
+    then=run("answered"),
+    ordering="none",
+    start="beginning",
+    retry=RETRY,
+)
+
+TURN_ENDED = Rule(
+    name="follow:turn-ended",
+    when=on(TurnEnded),
+    then=run("turn_ended"),
+    ordering="none",
+    start="beginning",
+    retry=RETRY,
+)
+
+LOOP_START = Rule(
+    name="loop:start",
+    when=on(Looped),
+    then=run("echo"),
+    ordering="none",
+    start="beginning",
+    retry=RETRY,
+)
+
+ECHO = Rule(
+    name="loop:echo",
+    when=on(MessagePosted).where(F.author.matches(r"^external_agent:reflexr:loop:")),
+    then=run("echo"),
+    ordering="none",
+    start="beginning",
+    retry=RETRY,
+)
+
+RULES: Final = (ASK, ANSWERED, TURN_ENDED, LOOP_START, ECHO)
+
+
+async def ask(reaction: Reaction[Any]) -> dict[str, str]:
+    event = reaction.events[-1].event
+    assert isinstance(event, Asked)
+    return {"message_id": await acting(reaction).send(f"question: {event.text}")}
+
+
+async def answered(reaction: Reaction[Any]) -> dict[str, str]:
+    event = reaction.events[-1].event
+    assert isinstance(event, MessagePosted)
+    return {"message_id": await acting(reaction).notice(f"answered: {event.content}")}
+
+
+async def turn_ended(reaction: Reaction[Any]) -> dict[str, str]:
+    event = reaction.events[-1].event
+    assert isinstance(event, TurnEnded)
+    text = f"turn {event.turn_id} {event.outcome}, for {', '.join(event.message_ids)}"
+    return {"message_id": await acting(reaction).notice(text)}
+
+
+async def echo(reaction: Reaction[Any]) -> dict[str, str]:
+    return {"message_id": await acting(reaction).notice(f"echo at depth {reaction.run.depth}")}
+
+
+ACTIONS: Final = {"ask": ask, "answered": answered, "turn_ended": turn_ended, "echo": echo}
+
+
+async def _answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    asked = [
+        part.content
+        for message in messages
+        if isinstance(message, ModelRequest)
+        for part in message.parts
+        if isinstance(part, UserPromptPart) and isinstance(part.content, str)
+    ]
+    question = asked[-1] if asked else ""
+    return ModelResponse(parts=[TextPart(f"answer: {question.removeprefix('question: ')}")])
+
+
+class FollowNote(MarkdownArtifact):
+    """The artifact kind the agent's workspace capability knows (it writes none)."""
+
+
+def agent() -> Agent[Session[None], str]:
+    return Agent(
+        function_model(_answer),
+        deps_type=Session[None],
+        capabilities=[ArtifactWorkspace(types=[FollowNote])],
+    )
+
+
+def rule_workspaces(storage: Any) -> RuleWorkspaces:
+    return RuleWorkspaces(
+        storage,
+        events=[Asked, Looped, *BRIDGED_EVENTS],
+        publishers=PUBLISHERS,
+        rules=RULES,
+        max_depth=MAX_DEPTH,
+    )
+
+
+def gate(home: Path) -> Any:
+    """The follower's hook (``Inbound.after_publish``): held once, when the test armed it."""
+
+    async def after_publish(workspace: WorkspaceKey, seqs: Sequence[int]) -> None:
+        armed = home / GATE_ARMED
+        try:
+            armed.unlink()
+        except FileNotFoundError:
+            return
+        held = home / GATE_HELD
+        held.with_suffix(".tmp").write_text(f"{os.getpid()} {seqs[0]} {seqs[-1]}")
+        held.with_suffix(".tmp").rename(held)
+        await asyncio.sleep(GATE_HOLD_MAX_S)  # the test kills this process meanwhile
+
+    return after_publish
+
+
+async def create_follow_app(settings: Settings) -> Application:
+    """The application on ``settings.database_url``, its follower gated in ``settings.home``."""
+    storage = await open_storage(settings)
+    return Application(
+        artifacts=ArtifactWorkspaces(storage.artifacts),
+        rules=rule_workspaces(storage.rules),
+        actions=ACTIONS,
+        agent=agent(),
+        engines=storage.engines,
+        inbound=Inbound(after_publish=gate(settings.home.absolute())),
+    )

@@ -1,0 +1,454 @@
+"""The follower on real storage (in memory, SQLite, PostgreSQL), with runs executed in-process.
+
+Each test drives the whole loop in one process, as the dispatcher and a worker would: follow
+every workspace, evaluate the rules and hand due runs to the executor, let the agent's turns
+end, and again, until nothing moves. What it checks is what the stores hold afterwards: the
+bridged events in reflexr's log (once each, with their kind, chain and depth), the runs the
+rules made, the notices they posted, the followers' cursors and dead letters.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from artifactr import ExternalAgentActor, UserActor
+from artifactr import Workspaces as ArtifactWorkspaces
+from artifactr.core import MessagePosted as ArtifactrMessagePosted
+from reflexr import SourceActor
+from reflexr.core import Envelope
+from reflexr.workspace import Workspace as RuleWorkspace
+from sqlalchemy import event
+
+from relayr.application import Application, open_storage
+from relayr.batch import RunBatch
+from relayr.core.allowlist_toml import parse_allowlist
+from relayr.dispatch import Dispatcher
+from relayr.executor import execute_runs
+from relayr.follow.config import Inbound
+from relayr.follow.events import FOLLOWER, MessagePosted, TurnEnded
+from relayr.follow.follower import (
+    CAUSE_MISSING,
+    PROJECTION_FAILED,
+    Followed,
+    Followers,
+)
+from relayr.follow.projections import PROJECTIONS, Projection, Source
+from relayr.follow.store import FollowStore, InMemoryFollowStore, SqlFollowStore
+from relayr.ledger.port import WorkspaceKey
+from relayr.runtime import Runtime
+from relayr.settings import Settings
+from tests.follow_app import (
+    ACTIONS,
+    ALLOWLIST,
+    MAX_DEPTH,
+    Asked,
+    Looped,
+    agent,
+    rule_workspaces,
+)
+
+TENANT, WORKSPACE = "acme", "ops"
+KEY = WorkspaceKey(TENANT, WORKSPACE)
+PERSON = UserActor(id="alice")
+SETTLE_ROUNDS = 60
+
+
+@dataclass
+class World:
+    """A runtime on real storage, its followers and dispatcher, and the loop that settles."""
+
+    runtime: Runtime
+    store: FollowStore
+    hooks: list[Any] = field(default_factory=list)
+    followers: Followers = field(init=False)
+    dispatcher: Dispatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.followers = self.follower()
+
+        async def empty() -> int:
+            return 0
+
+        self.dispatcher = Dispatcher(self.runtime, queue_depth=empty, follow=False)
+
+    def follower(
+        self,
+        holder: str = "follower-1",
+        projections: dict[str, Projection] | None = None,
+        tenants: Sequence[str] = (TENANT,),
+    ) -> Followers:
+        application = self.runtime.application
+
+        async def after_publish(workspace: WorkspaceKey, seqs: Sequence[int]) -> None:
+            for hook in self.hooks:
+                await hook(workspace, seqs)
+
+        return Followers(
+            artifacts=application.artifacts,
+            rules=application.rules,
+            ledger=self.runtime.bridge.ledger,
+            store=self.store,
+            holder=holder,
+            lease_ttl_s=30.0,
+            inbound=Inbound(
+                tenants=tenants, projections=projections or {}, after_publish=after_publish
+            ),
+        )
+
+    async def thread(self) -> str:
+        handle = await self.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+        return (await handle.create_thread("incident")).id
+
+    async def publish(self, *events: Any) -> None:
+        source = await self.rules()
+        await source.publish_many(list(events))
+
+    async def rules(self) -> RuleWorkspace:
+        return await self.runtime.application.rules.open(
+            TENANT, WORKSPACE, actor=SourceActor(name="test")
+        )
+
+    async def settle(self, *, follow: bool = True) -> Followed:
+        """Follow (unless told not to), dispatch and execute until a round moves nothing; what
+        following did."""
+        total = Followed()
+        queue: list[RunBatch] = []
+
+        async def enqueue(batch: RunBatch) -> None:
+            queue.append(batch)
+
+        for _ in range(SETTLE_ROUNDS):
+            followed = await self.followers.follow_all() if follow else Followed()
+            total += followed
+            queue.clear()
+            await self.dispatcher.pass_once(enqueue)
+            for batch in queue:
+                await execute_runs(
+                    self.runtime, batch.tenant_id, batch.workspace_id, list(batch.run_ids)
+                )
+            turns = await self.turns_ended()
+            if not (followed.read or queue or turns):
+                return total
+        raise AssertionError("the world did not settle")
+
+    async def turns_ended(self) -> int:
+        """Wait for the turns this runtime started; how many there were."""
+        bridge, runner = self.runtime.bridge, self.runtime.bridge.runner
+        assert runner is not None
+        waited = 0
+        while running := bridge.turns.running():
+            waited += len(running)
+            await asyncio.gather(*(handle.task for handle in running), return_exceptions=True)
+            await runner.drain()
+        return waited
+
+    async def bridged(self) -> list[Envelope]:
+        """The bridged events in reflexr's log, in order."""
+        handle = await self.rules()
+        return [
+            envelope
+            for envelope in await handle.read(after_seq=0, limit=10_000)
+            if envelope.event_type.startswith("artifactr:")
+        ]
+
+    async def notices(self, rule: str) -> list[str]:
+        handle = await self.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+        return [
+            envelope.event.content
+            for envelope in await handle.read()
+            if isinstance(envelope.event, ArtifactrMessagePosted)
+            and envelope.actor.participant == f"external_agent:reflexr:{rule}"
+        ]
+
+
+@pytest.fixture(
+    params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
+)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
+    url = request.getfixturevalue("postgres_url")
+    assert isinstance(url, str)
+    return url
+
+
+@pytest.fixture
+async def world(database_url: str, tmp_path: Path) -> AsyncIterator[World]:
+    settings = Settings(home=tmp_path, database_url=database_url, turn_grace_s=5)
+    storage = await open_storage(settings)
+    application = Application(
+        artifacts=ArtifactWorkspaces(storage.artifacts),
+        rules=rule_workspaces(storage.rules),
+        actions=ACTIONS,
+        agent=agent(),
+        engines=storage.engines,
+    )
+    allowlists = parse_allowlist(ALLOWLIST)
+    runtime = await Runtime.start(
+        settings, role="worker", application=application, allowlists=lambda: allowlists
+    )
+    store = SqlFollowStore(storage.engine) if storage.engine else InMemoryFollowStore()
+    try:
+        yield World(runtime, store)
+    finally:
+        await runtime.aclose()
+
+
+# ─── once each, with the kind ─────────────────────────────────────────────────
+
+
+async def test_an_agent_reply_reaches_a_rule_once_as_a_message(world: World) -> None:
+    thread = await world.thread()
+    await world.publish(Asked(thread_id=thread, text="is the api up?"))
+
+    await world.settle()
+
+    replies = [
+        envelope
+        for envelope in await world.bridged()
+        if isinstance(envelope.event, MessagePosted) and envelope.event.author_kind == "agent"
+    ]
+    assert [(e.event.kind, e.event.content) for e in replies] == [
+        ("message", "answer: is the api up?")
+    ]
+    assert replies[0].actor == FOLLOWER
+    assert await world.notices("follow:answered") == ["answered: answer: is the api up?"]
+    runs = await (await world.rules()).runs(rule="follow:answered")
+    assert [run.status for run in runs] == ["succeeded"]
+
+
+async def test_a_turn_started_by_a_rule_continues_its_chain(world: World) -> None:
+    thread = await world.thread()
+    await world.publish(Asked(thread_id=thread, text="status?"))
+
+    await world.settle()
+
+    rules = await world.rules()
+    [ask] = await rules.runs(rule="follow:ask")
+    [question] = [
+        e
+        for e in await world.bridged()
+        if isinstance(e.event, MessagePosted) and e.event.content == "question: status?"
+    ]
+    [ended] = [e for e in await world.bridged() if isinstance(e.event, TurnEnded)]
+    assert isinstance(ended.event, TurnEnded)
+    assert ended.event.outcome == "completed"
+    assert ended.event.message_ids == (ask.output["message_id"],)  # type: ignore[index]
+    for envelope in (question, ended):
+        assert envelope.causation is not None
+        assert (envelope.causation.run_id, envelope.depth) == (ask.id, 1)
+        assert envelope.correlation_id == ask.correlation_id
+    [answered] = await rules.runs(rule="follow:answered")
+    [turn_ended] = await rules.runs(rule="follow:turn-ended")
+    assert (answered.correlation_id, answered.depth) == (ask.correlation_id, 1)
+    assert (turn_ended.correlation_id, turn_ended.depth) == (ask.correlation_id, 1)
+
+
+async def test_a_rule_that_answers_its_own_notices_stops_at_the_depth_limit(
+    world: World,
+) -> None:
+    thread = await world.thread()
+    await world.publish(Looped(thread_id=thread))
+
+    await world.settle()
+
+    echoes = await world.notices("loop:start") + await world.notices("loop:echo")
+    assert echoes == [f"echo at depth {depth}" for depth in range(MAX_DEPTH)]
+    dead = await (await world.rules()).dead_letters(rule="loop:echo")
+    assert len(dead) == 1
+    assert f"beyond the limit of {MAX_DEPTH}" in dead[0].error
+
+
+async def test_what_people_write_starts_chains_of_its_own(world: World) -> None:
+    thread = await world.thread()
+    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+    await handle.post_message(thread, "hello")
+    unnamed = world.follower(holder="follower-2", tenants=())
+
+    assert (await unnamed.follow_all()).workspaces == 0  # a tenant reflexr does not know yet
+    await world.settle()
+
+    [posted] = await world.bridged()
+    assert isinstance(posted.event, MessagePosted)
+    assert (posted.event.author, posted.event.kind) == ("user:alice", "message")
+    assert posted.causation is None
+    assert posted.correlation_id == posted.id
+
+
+async def test_the_dispatcher_follows_at_the_start_of_each_pass(world: World) -> None:
+    thread = await world.thread()
+    await world.publish(Asked(thread_id=thread, text="ping"))
+    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+    await handle.post_message(thread, "hello")
+
+    async def empty() -> int:
+        return 0
+
+    dispatcher = Dispatcher(world.runtime, queue_depth=empty)
+    queue: list[RunBatch] = []
+
+    async def enqueue(batch: RunBatch) -> None:
+        queue.append(batch)
+
+    done = await dispatcher.pass_once(enqueue)
+
+    assert (done.bridged, done.firings) == (1, 1)
+    assert [e.event.content for e in await world.bridged()] == ["hello"]  # type: ignore[attr-defined]
+
+
+# ─── a follower stopped between its publish and its cursor ───────────────────
+
+
+async def test_a_batch_published_again_after_a_crash_is_published_once(world: World) -> None:
+    thread = await world.thread()
+    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+    for text in ("one", "two", "three"):
+        await handle.post_message(thread, text)
+
+    async def crash(workspace: WorkspaceKey, seqs: Sequence[int]) -> None:
+        raise RuntimeError("the follower died after its publish")
+
+    world.hooks.append(crash)
+    first = await world.followers.follow_all()
+    world.hooks.clear()
+    restarted = world.follower(holder="follower-1")
+    second = await restarted.follow_all()
+
+    assert (first.failed, first.bridged) == (1, 0)
+    assert (second.bridged, second.duplicates) == (0, 3)
+    assert [e.event.content for e in await world.bridged()] == ["one", "two", "three"]  # type: ignore[attr-defined]
+    assert (await restarted.follow_all()).read == 0
+
+
+# ─── dead letters ─────────────────────────────────────────────────────────────
+
+
+def _refusing(content: str) -> Projection:
+    def project(source: Source) -> Any:
+        event = source.envelope.event
+        if isinstance(event, ArtifactrMessagePosted) and event.content == content:
+            raise ValueError(f"cannot bridge {content!r}")
+        return PROJECTIONS["message_posted"](source)
+
+    return project
+
+
+async def test_a_projection_that_fails_dead_letters_its_envelope_and_the_log_goes_on(
+    world: World,
+) -> None:
+    thread = await world.thread()
+    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+    await handle.post_message(thread, "boom")
+    await handle.post_message(thread, "fine")
+    failing = world.follower(holder="follower-2", projections={"message_posted": _refusing("boom")})
+
+    done = await failing.follow_all()
+
+    assert (done.bridged, done.dead) == (1, 1)
+    [letter] = await world.store.dead_letters(KEY)
+    assert (letter.reason, letter.event_type, letter.tries) == (
+        PROJECTION_FAILED,
+        "message_posted",
+        1,
+    )
+    assert "cannot bridge 'boom'" in letter.error
+    [position] = await world.store.positions()
+    assert position.cursor == await handle.head_seq()
+
+    again = await failing.replay(KEY)
+    assert (again.bridged, [f.reason for f in again.failed]) == ((), [PROJECTION_FAILED])
+    fixed = await world.follower(holder="follower-2").replay(KEY, [letter.envelope_id])
+
+    assert fixed.bridged == (letter.envelope_id,)
+    assert [e.event.content for e in await world.bridged()] == ["fine", "boom"]  # type: ignore[attr-defined]
+    assert await world.store.dead_letters(KEY) == []
+    [replayed] = await world.store.dead_letters(KEY, replayed=True)
+    assert replayed.tries == 2
+    assert replayed.replayed_at is not None
+    assert (await failing.replay(KEY, [letter.envelope_id])).unknown == (letter.envelope_id,)
+
+
+async def test_a_rule_write_without_a_cause_is_dead_lettered(world: World) -> None:
+    thread = await world.thread()
+    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+    ghost = handle.as_actor(ExternalAgentActor(client_id="reflexr:ops:ghost", name="ops:ghost"))
+    await ghost.post_message(thread, "who wrote this?", kind="notice")
+
+    done = await world.followers.follow_all()
+
+    assert (done.bridged, done.dead) == (0, 1)
+    [letter] = await world.store.dead_letters(KEY)
+    assert letter.reason == CAUSE_MISSING
+    assert await world.bridged() == []
+
+
+# ─── one follower per workspace ───────────────────────────────────────────────
+
+
+async def test_one_follower_per_workspace_at_a_time(world: World) -> None:
+    thread = await world.thread()
+    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+    await handle.post_message(thread, "first")
+    other = world.follower(holder="follower-2")
+
+    held = await world.followers.follow_all()
+    await handle.post_message(thread, "second")
+    refused = await other.follow_all()
+    await world.followers.release()
+    taken = await other.follow_all()
+
+    assert (held.workspaces, held.bridged) == (1, 1)
+    assert (refused.workspaces, refused.elsewhere, refused.read) == (0, 1, 0)
+    assert (taken.workspaces, taken.bridged) == (1, 1)
+    [position] = await world.store.positions()
+    assert position.holder == "follower-2"
+
+
+# ─── what a pass costs ────────────────────────────────────────────────────────
+
+
+async def test_a_pass_costs_a_handful_of_transactions(world: World) -> None:
+    engines = world.runtime.application.engines
+    if not engines:
+        pytest.skip("memory storage has no transactions to count")
+    thread = await world.thread()
+    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+    await world.followers.follow_all()
+    begun: list[object] = []
+    event.listen(engines[0].sync_engine, "begin", lambda connection: begun.append(connection))
+
+    quiet = await world.followers.follow_all()
+    quiet_count = len(begun)
+    for index in range(20):
+        await handle.post_message(thread, f"message {index}")
+    begun.clear()
+    busy = await world.followers.follow_all()
+
+    assert (quiet.read, quiet_count) == (0, 1)
+    assert busy.bridged == 20
+    assert len(begun) <= 4, begun  # the read, the publish, the cursor (+ a lease)
+
+
+async def test_a_pass_over_rules_writes_and_turns_reads_their_causes_at_once(
+    world: World,
+) -> None:
+    engines = world.runtime.application.engines
+    if not engines:
+        pytest.skip("memory storage has no transactions to count")
+    threads = [await world.thread() for _ in range(5)]
+    await world.followers.follow_all()
+    await world.publish(*(Asked(thread_id=thread, text="status?") for thread in threads))
+    await world.settle(follow=False)  # five questions sent, five turns ended, nothing bridged
+    begun: list[object] = []
+    event.listen(engines[0].sync_engine, "begin", lambda connection: begun.append(connection))
+
+    busy = await world.followers.follow_all()
+
+    assert busy.bridged == 15  # each thread: the question, the answer, the turn's end
+    assert busy.dead == 0
+    assert len(begun) <= 5, begun  # the read, the causes, the publish, the cursor (+ a lease)
