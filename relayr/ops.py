@@ -1,6 +1,6 @@
 """What ops do with runs: list them, show one whole, and retry, cancel or skip them safely.
 
-reflexr's store is the truth about a run (DESIGN contract 7), so every command here reads and
+reflexr's store is the truth about a run (ADR-0001), so every command here reads and
 changes it through reflexr's own operator operations, across every workspace unless one is
 named. A retry is reflexr's operator retry (the run is due now, its attempts start again from
 zero) followed by an enqueue, so ops need not wait for the dispatcher's next pass. The enqueue

@@ -1,8 +1,8 @@
 """The runtime: one per process, built on and used from one long-lived event loop.
 
 Async engines, both libraries' SQL storage and artifactr's ``Runner`` belong to the loop that
-made them (LIBRARIES.md A1, pitfall 1), and a turn the Runner starts is a task of that loop
-(pitfall 2). So a process opens one :class:`Runtime` on its own loop (a worker after it forks)
+made them (docs/libraries.md, A1), and a turn the Runner starts is a task of that loop
+(A4). So a process opens one :class:`Runtime` on its own loop (a worker after it forks)
 and runs every task, pass and command on that loop, never ``asyncio.run`` per task.
 
 Starting a worker loads the allowlist file (an invalid one stops the process with every problem
@@ -16,7 +16,7 @@ Closing is the reverse and always completes: turns this process started get
 ``turn_grace_s`` to finish, then ``Runner.aclose()`` cancels what is left (a cancelled turn
 ends ``stopped``, or stays asked for the next worker's recovery), the ledger closes and the
 engines are disposed of, so no SQLite write lock or PostgreSQL transaction outlives the loop
-(pitfall 3).
+(docs/libraries.md, A1).
 """
 
 import asyncio
@@ -218,7 +218,7 @@ class Runtime:
     async def _grace(self, grace_s: float) -> int:
         """Wait up to ``grace_s`` for this process's turns, and the turns they hand over to.
 
-        A turn that ends hands its thread to the next one asked for meanwhile (LIBRARIES.md A4);
+        A turn that ends hands its thread to the next one asked for meanwhile (docs/libraries.md, A4);
         that turn is waited for too. Returns how many are still running.
         """
         runner = self.bridge.runner

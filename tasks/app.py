@@ -1,6 +1,6 @@
 """relayr's Celery app: how run messages are carried, acknowledged and redelivered.
 
-The broker only delivers (DESIGN contract 7): reflexr's store is the truth about a run, a task
+The broker only delivers (ADR-0001, ADR-0012): reflexr's store is the truth about a run, a task
 carries ids only and re-reads the run, and a duplicated, lost or redelivered message repeats or
 loses nothing. So the settings below favour delivering again over losing, and bound the loops
 that delivering again could make:
