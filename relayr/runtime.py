@@ -218,8 +218,8 @@ class Runtime:
     async def _grace(self, grace_s: float) -> int:
         """Wait up to ``grace_s`` for this process's turns, and the turns they hand over to.
 
-        A turn that ends hands its thread to the next one asked for meanwhile (docs/libraries.md, A4);
-        that turn is waited for too. Returns how many are still running.
+        A turn that ends hands its thread to the next one asked for meanwhile
+        (docs/libraries.md, A4); that turn is waited for too. Returns how many are still running.
         """
         runner = self.bridge.runner
         turns = self.bridge.turns

@@ -1,6 +1,6 @@
 """Hostile task payloads: refused or harmless, one line each, no write, no retry loop.
 
-A run task carries three ids and the store decides the rest (ADR-0001, README "Bad input"). Two
+A run task carries three ids and the store decides the rest (ADR-0001; README, "Commands"). Two
 levels:
 
 - ``tasks.runs.parse_ids`` under hypothesis: whatever the arguments (wrong types, missing,
