@@ -26,8 +26,9 @@ from kombu import Connection, Consumer, Producer, Queue
 from structlog.testing import capture_logs
 
 from relayr.broker import FILESYSTEM_TRANSPORT, layout, queue_depth
+from relayr.broker.consumers import own_consumer_ids
 from relayr.broker.dead_letters import SET_ASIDE
-from relayr.broker.filesystem import RECOVER_EVERY_S, own_consumer_ids
+from relayr.broker.filesystem import RECOVER_EVERY_S
 from relayr.broker.redis import dead_letter_list
 from relayr.settings import Settings
 from tests.broker_samples import GARBAGE
