@@ -13,12 +13,12 @@ so tests check what is logged without mocks.
 
 import logging
 import sys
-from typing import Final, Literal, TextIO
+from typing import Final, TextIO
 
 import structlog
 from structlog.typing import Processor
 
-type LogFormat = Literal["json", "console"]
+from relayr.settings import LogFormat
 
 QUIET_LOGGERS: Final = {
     "celery.app.trace": logging.WARNING,

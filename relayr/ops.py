@@ -59,7 +59,9 @@ RUN_FACTS: Final = (
     "reflexr:run_skipped",
 )
 
-type Enqueue = Callable[[str, str, str], Awaitable[None]]
+type EnqueueRun = Callable[[str, str, str], Awaitable[None]]
+"""Hands one retried run to the queue: ``await enqueue(tenant_id, workspace_id, run_id)``
+(a message of one run; :data:`relayr.dispatch.Enqueue` hands a whole batch)."""
 type TurnStatus = Literal["completed", "failed", "stopped", "running", "stalled", "untaken"]
 
 STALLED_AFTER: Final = timedelta(minutes=2)
@@ -236,7 +238,7 @@ async def show_run(
 
 
 async def retry(
-    rules: Workspaces, targets: Sequence[RunRow], enqueue: Enqueue, *, dry_run: bool = False
+    rules: Workspaces, targets: Sequence[RunRow], enqueue: EnqueueRun, *, dry_run: bool = False
 ) -> list[Done]:
     """reflexr's operator retry of each run, then an enqueue, so it runs at once.
 

@@ -37,7 +37,7 @@ from relayr.cli.helpers import (
 if TYPE_CHECKING:
     from reflexr.workspace import Workspaces
 
-    from relayr.ops import Done, RunFilter, RunRow
+    from relayr.ops import Done, EnqueueRun, RunFilter, RunRow
     from relayr.runtime import Runtime
     from relayr.settings import Settings
 
@@ -53,8 +53,6 @@ not minutes, and a broker that restarts meanwhile is ridden out."""
 
 BROKER_BACKOFF_S: Final = (0.5, 2.0)
 """The first and the longest wait between tries of the broker (tenacity's exponential wait)."""
-
-type Enqueue = Callable[[str, str, str], Awaitable[None]]
 
 
 def is_transient_broker_fault(error: BaseException) -> bool:
@@ -80,7 +78,7 @@ def parse_duration(text: str) -> timedelta:
     return total
 
 
-def enqueuer(settings: "Settings") -> Enqueue:
+def enqueuer(settings: "Settings") -> "EnqueueRun":
     """Hands a run to the workers, as the dispatcher does, trying a broker that is down again.
 
     A transient fault (:func:`is_transient_broker_fault`) is tried again, at most
