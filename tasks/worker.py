@@ -110,7 +110,7 @@ async def _cancel_all() -> None:
     await asyncio.get_running_loop().shutdown_asyncgens()
 
 
-class WorkerProcess:
+class PoolProcess:
     """This process's loop and runtime; started once per process, after any fork."""
 
     def __init__(self) -> None:
@@ -190,8 +190,8 @@ class WorkerProcess:
         logger.info("worker process stopped", pid=os.getpid())
 
 
-process: Final = WorkerProcess()
-"""The one WorkerProcess of this process; :func:`tasks.app.create_celery` configures it."""
+process: Final = PoolProcess()
+"""The one PoolProcess of this process; :func:`tasks.app.create_celery` configures it."""
 
 
 class _RefusedTaskFilter(logging.Filter):
