@@ -12,6 +12,7 @@ The commands, by family, each in a module of its own:
 - :mod:`relayr.cli.publish` and :mod:`relayr.cli.threads`: ``relayr publish``,
   ``relayr thread create`` and ``relayr thread show``, to try rules by hand;
 - :mod:`relayr.cli.demo`: ``relayr demo``;
+- :mod:`relayr.cli.follow`: ``relayr follow``, the followers alone, and their dead letters;
 - :mod:`relayr.cli.allowlist`, :mod:`relayr.cli.runs`, :mod:`relayr.cli.health`: the operators'
   ``relayr allowlist``, ``relayr runs`` and ``relayr health``.
 
@@ -31,6 +32,7 @@ COMMANDS: Final = {
     "allowlist": "relayr.cli.allowlist:allowlist",
     "demo": "relayr.cli.demo:demo",
     "dispatch": "relayr.cli.serve:dispatch",
+    "follow": "relayr.cli.follow:follow",
     "health": "relayr.cli.health:health",
     "publish": "relayr.cli.publish:publish",
     "run": "relayr.cli.serve:run",

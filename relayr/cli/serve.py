@@ -3,8 +3,9 @@
 - ``relayr worker``: a Celery worker for relayr's run tasks (prefork: one event loop per pool
   process, :mod:`tasks.worker`). It refuses to start when its allowlist or application cannot be
   loaded: exit code 2, which ``relayr run`` reads as "cannot start" (ADR-0033).
-- ``relayr dispatch``: the dispatcher: evaluates rules and queues each due run once per attempt,
-  refreshing its heartbeat after each pass (ADR-0031).
+- ``relayr dispatch``: the dispatcher: follows artifactr's logs into reflexr (unless
+  ``--no-follow``: ``relayr follow`` runs the followers apart, ADR-0065), evaluates rules and
+  queues each due run once per attempt, refreshing its heartbeat after each pass (ADR-0031).
 - ``relayr run``: both on one machine: the dispatcher here, and a worker subprocess
   (:class:`relayr.cli.processes.RelayrProcess`) that :mod:`relayr.supervisor` starts again when
   it exits.
@@ -145,11 +146,14 @@ def serve_metrics(
     return start_metrics_server(port, directory, addr=METRICS_ADDRESS)
 
 
-async def serve_dispatcher(runtime: "Runtime", stop: "asyncio.Event") -> None:
+async def serve_dispatcher(
+    runtime: "Runtime", stop: "asyncio.Event", *, follow: bool = True
+) -> None:
     """Run the dispatcher on ``runtime`` until ``stop`` is set, queueing runs on Celery.
 
     The dispatcher refreshes its heartbeat after each pass that ended, for
-    ``relayr health --dispatcher``: a pass stuck on storage stops the beat (ADR-0031).
+    ``relayr health --dispatcher``: a pass stuck on storage stops the beat (ADR-0031). With
+    ``follow``, each pass first follows artifactr's logs (ADR-0065).
     """
     from relayr.batch import RunBatch
     from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
@@ -172,7 +176,7 @@ async def serve_dispatcher(runtime: "Runtime", stop: "asyncio.Event") -> None:
         send_runs(app, queue, batch)
 
     try:
-        await BeatingDispatcher(runtime).serve(enqueue, stop)
+        await BeatingDispatcher(runtime, follow=follow).serve(enqueue, stop)
     finally:
         heartbeat.unlink(missing_ok=True)
 
@@ -187,9 +191,19 @@ def stop_on_signals(stop: "asyncio.Event") -> None:
         loop.add_signal_handler(signum, stop.set)
 
 
+follow_option = click.option(
+    "--follow/--no-follow",
+    default=True,
+    show_default=True,
+    help="Follow artifactr's logs into reflexr at the start of each pass (--no-follow where "
+    "relayr follow runs the followers apart).",
+)
+
+
 @click.command()
 @metrics_port_option
-def dispatch(metrics_port: int | None) -> None:
+@follow_option
+def dispatch(metrics_port: int | None, follow: bool) -> None:
     """Run the dispatcher: evaluate rules, queue due runs for the workers (until Ctrl-C)."""
     settings = load_settings(log_level="INFO")
 
@@ -198,7 +212,7 @@ def dispatch(metrics_port: int | None) -> None:
 
         stop = asyncio.Event()
         stop_on_signals(stop)
-        await serve_dispatcher(runtime, stop)
+        await serve_dispatcher(runtime, stop, follow=follow)
 
     server = serve_metrics(metrics_port, settings.home, "dispatcher", per_process=False)
     try:
@@ -232,7 +246,13 @@ def dispatch(metrics_port: int | None) -> None:
     default=None,
     help="The longest wait between starts of a worker that keeps exiting.  [default: 30]",
 )
-def run(concurrency: int, restart_delay_s: float | None, restart_delay_max_s: float | None) -> None:
+@follow_option
+def run(
+    concurrency: int,
+    restart_delay_s: float | None,
+    restart_delay_max_s: float | None,
+    follow: bool,
+) -> None:
     """Run the main job on one machine: the dispatcher here, a worker in a subprocess.
 
     A worker that exits is started again after a back-off (--restart-delay, doubling up to
@@ -274,7 +294,7 @@ def run(concurrency: int, restart_delay_s: float | None, restart_delay_max_s: fl
 
             stop = asyncio.Event()
             stop_on_signals(stop)
-            dispatcher = asyncio.create_task(serve_dispatcher(runtime, stop))
+            dispatcher = asyncio.create_task(serve_dispatcher(runtime, stop, follow=follow))
             try:
                 return await supervisor.supervise(stop, alongside=dispatcher)
             finally:
