@@ -6,6 +6,11 @@ and publishes a mix of the example's two events (``deploy:finished``, whose rule
 notice; ``incident:opened``, whose rule sends a message that starts an agent turn), waits until
 every run and every turn has ended, and checks the counts (:func:`summarize`).
 
+The dispatcher follows the workspace's artifactr log into reflexr (:mod:`relayr.follow`), so the
+demo also counts what comes back: the bridged events, and for each incident the runs of the
+example's three inbound rules (a follow-up, a page, the scribe agent) with their notices
+(``follow_ups``) and the scribe's tool calls (``tool_calls``).
+
 The pieces (:func:`publish_scenario`, :func:`wait_until_done`, :class:`Tally`) are the same ones
 the integration tests and the benchmarks use against real workers on Redis and the filesystem
 broker, so what the demo checks is what the tests assert. This module uses the engine only;
@@ -16,7 +21,7 @@ import asyncio
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -25,9 +30,10 @@ from artifactr import UserActor as ArtifactUserActor
 from artifactr import Workspace as ArtifactWorkspace
 from artifactr.core import MessagePosted, RunEnded
 from reflexr import SourceActor
-from reflexr.core import FINISHED, load_event
+from reflexr.core import FINISHED, Run, load_event
 from reflexr.workspace import Workspace as RuleWorkspace
 
+from relayr.follow.events import BRIDGED_EVENTS
 from relayr.runtime import Runtime
 
 TENANT: Final = "demo"
@@ -46,6 +52,24 @@ POLL_INTERVAL_S: Final = 1.0
 
 DISPATCH_INTERVAL_S: Final = 0.5
 """The demo's dispatcher pass interval: shorter than the default, so a small demo is quick."""
+
+INBOUND_RULES: Final = ("ops:agent-replied", "ops:page-on-call", "ops:incident-scribe")
+"""The example's rules that answer bridged events (``rules.example.INBOUND_RULES``): each runs
+once per incident, in the incident's chain, and posts one notice."""
+
+SCRIBE_RULE: Final = "ops:incident-scribe"
+TOOL_CALLS_PER_INCIDENT: Final = 2
+"""The scribe agent's tool calls per incident (``rules.example.SCRIBE_TOOL_CALLS``): it
+proposes a triage note, then names the proposal in a notice."""
+
+BRIDGED_PER_INCIDENT: Final = 7
+"""The events bridged per incident: the triage message, the agent's reply, the turn's end, the
+inbound rules' three notices and the scribe's proposal."""
+
+BRIDGED_PER_DEPLOY: Final = 1
+"""The events bridged per deploy: its notice."""
+
+BRIDGED_TYPES: Final = tuple(event.event_type for event in BRIDGED_EVENTS)
 
 DEMO_PUBLISHER: Final = SourceActor(name="relayr-demo")
 
@@ -70,7 +94,25 @@ class Plan:
 
     @property
     def runs(self) -> int:
+        """The runs of the events published: a notice per deploy, a send per incident."""
         return self.deploys + self.incidents
+
+    @property
+    def follow_ups(self) -> int:
+        """The runs (and notices) of the example's inbound rules, which answer bridged events."""
+        return len(INBOUND_RULES) * self.incidents
+
+    @property
+    def all_runs(self) -> int:
+        return self.runs + self.follow_ups
+
+    @property
+    def bridged_events(self) -> int:
+        return BRIDGED_PER_DEPLOY * self.deploys + BRIDGED_PER_INCIDENT * self.incidents
+
+    @property
+    def tool_calls(self) -> int:
+        return TOOL_CALLS_PER_INCIDENT * self.incidents
 
 
 @dataclass(frozen=True)
@@ -136,6 +178,9 @@ class Tally:
     replies: int = 0
     turns: int = 0
     turns_failed: int = 0
+    follow_ups: int = 0
+    bridged_after_seq: int = 0
+    bridged_events: int = 0
 
     async def read(self, workspace: ArtifactWorkspace) -> None:
         """Take in what the workspace's log gained since the last read."""
@@ -149,6 +194,8 @@ class Tally:
                     self.rule_texts[(event.thread_id, author, event.content)] += 1
                     if event.kind == "notice":
                         self.notices += 1
+                        if author.removeprefix(RULE_AUTHOR_PREFIX) in INBOUND_RULES:
+                            self.follow_ups += 1
                     else:
                         self.messages += 1
                 elif author.startswith(AGENT_AUTHOR_PREFIX):
@@ -158,6 +205,12 @@ class Tally:
                     self.turns += 1
                 else:
                     self.turns_failed += 1
+
+    async def read_bridged(self, rules: RuleWorkspace) -> None:
+        """Take in the bridged events reflexr's log gained since the last read."""
+        for envelope in await rules.read(after_seq=self.bridged_after_seq, types=BRIDGED_TYPES):
+            self.bridged_after_seq = max(self.bridged_after_seq, envelope.seq)
+            self.bridged_events += 1
 
     @property
     def duplicates(self) -> int:
@@ -169,10 +222,12 @@ class Tally:
 
 @dataclass(frozen=True)
 class Progress:
-    """Where a scenario stands: its runs by status, and the tally of its writes."""
+    """Where a scenario stands: its runs by status, the tally of its writes, and the tool calls
+    of the scribe's runs that succeeded."""
 
     statuses: Mapping[str, int]
     tally: Tally
+    tool_calls: int = 0
 
     @property
     def finished(self) -> int:
@@ -187,7 +242,8 @@ async def wait_until_done(
     timeout_s: float,
     poll_interval_s: float = POLL_INTERVAL_S,
 ) -> tuple[Progress, float | None]:
-    """Wait until ``plan.runs`` runs have finished and every incident's turn has ended.
+    """Wait until ``plan.all_runs`` runs have finished, every incident's turn has ended and
+    ``plan.bridged_events`` events were bridged.
 
     Returns the progress and how long the runs took to finish (None if they did not in time).
     """
@@ -196,15 +252,29 @@ async def wait_until_done(
     deadline = started + timeout_s
     runs_done_s: float | None = None
     while True:
-        statuses: Counter[str] = Counter(run.status for run in await rules.runs())
+        runs = await rules.runs()
+        statuses: Counter[str] = Counter(run.status for run in runs)
         await tally.read(artifacts)
-        progress = Progress(statuses, tally)
-        if runs_done_s is None and progress.finished >= plan.runs:
+        await tally.read_bridged(rules)
+        progress = Progress(statuses, tally, _tool_calls(runs))
+        if runs_done_s is None and progress.finished >= plan.all_runs:
             runs_done_s = time.monotonic() - started
         turns_done = tally.turns + tally.turns_failed >= plan.incidents
-        if (runs_done_s is not None and turns_done) or time.monotonic() >= deadline:
+        bridged = tally.bridged_events >= plan.bridged_events
+        done = runs_done_s is not None and turns_done and bridged
+        if done or time.monotonic() >= deadline:
             return progress, runs_done_s
         await asyncio.sleep(poll_interval_s)
+
+
+def _tool_calls(runs: Sequence[Run]) -> int:
+    """The tool calls the scribe's agent made in the runs that succeeded (their output)."""
+    total = 0
+    for run in runs:
+        if run.rule == SCRIBE_RULE and run.status == "succeeded" and isinstance(run.output, dict):
+            calls = run.output.get("tool_calls")
+            total += calls if isinstance(calls, int) else 0
+    return total
 
 
 def summarize(plan: Plan, progress: Progress, runs_done_s: float | None) -> dict[str, Any]:
@@ -216,13 +286,19 @@ def summarize(plan: Plan, progress: Progress, runs_done_s: float | None) -> dict
         "messages": tally.messages,
         "turns": tally.turns,
         "duplicates": tally.duplicates,
+        "bridged_events": tally.bridged_events,
+        "follow_ups": tally.follow_ups,
+        "tool_calls": progress.tool_calls,
     }
     expected = {
-        "runs_succeeded": plan.runs,
-        "notices": plan.deploys,
+        "runs_succeeded": plan.all_runs,
+        "notices": plan.deploys + plan.follow_ups,
         "messages": plan.incidents,
         "turns": plan.incidents,
         "duplicates": 0,
+        "bridged_events": plan.bridged_events,
+        "follow_ups": plan.follow_ups,
+        "tool_calls": plan.tool_calls,
     }
     problems = [
         f"{name}: {counts[name]}, expected {expected[name]}"
@@ -232,13 +308,13 @@ def summarize(plan: Plan, progress: Progress, runs_done_s: float | None) -> dict
     if runs_done_s is None:
         problems.append("the runs did not all finish in time")
     return {
-        "runs": plan.runs,
+        "runs": plan.all_runs,
         **counts,
         "replies": tally.replies,
         "turns_failed": tally.turns_failed,
         "runs_by_status": dict(sorted(progress.statuses.items())),
         "elapsed_s": None if runs_done_s is None else round(runs_done_s, 3),
-        "runs_per_s": None if not runs_done_s else round(plan.runs / runs_done_s, 2),
+        "runs_per_s": None if not runs_done_s else round(plan.all_runs / runs_done_s, 2),
         "expected": expected,
         "problems": problems,
         "ok": not problems,

@@ -76,11 +76,13 @@ def scenario(
 
 def assert_counts(summary: dict[str, Any], plan: Plan) -> None:
     assert summary["problems"] == []
-    assert summary["runs_succeeded"] == plan.runs
-    assert summary["notices"] == plan.deploys
+    assert summary["runs_succeeded"] == plan.all_runs  # the inbound rules' runs included
+    assert summary["notices"] == plan.deploys + plan.follow_ups
     assert summary["messages"] == plan.incidents
     assert summary["turns"] == plan.incidents
     assert summary["duplicates"] == 0
+    assert summary["bridged_events"] == plan.bridged_events
+    assert summary["tool_calls"] == plan.tool_calls
 
 
 DEPLOYS = Plan(deploys=200, incidents=0)

@@ -103,7 +103,17 @@ def print_transcripts(transcripts: Mapping[str, Sequence[Any]]) -> None:
 
 def print_summary(summary: dict[str, Any]) -> None:
     click.echo("== summary")
-    for name in ("runs", "runs_succeeded", "notices", "messages", "turns", "replies"):
+    for name in (
+        "runs",
+        "runs_succeeded",
+        "notices",
+        "messages",
+        "turns",
+        "replies",
+        "bridged_events",
+        "follow_ups",
+        "tool_calls",
+    ):
         click.echo(f"{name:>15}: {summary[name]}")
     click.echo(f"{'duplicates':>15}: {summary['duplicates']}")
     click.echo(f"{'runs/s':>15}: {summary['runs_per_s']} ({summary['elapsed_s']} s end to end)")

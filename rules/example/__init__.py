@@ -13,6 +13,19 @@ Two event types, published by whatever watches deploys and incidents:
 The agent answers without a network: its model is a function (``artifactr.agent.function_model``)
 that replies with a fixed triage plan, so the example and its tests run anywhere.
 
+Three rules answer what the follower bridges from artifactr into reflexr (:mod:`relayr.follow`),
+in the chain of the run that caused it, so a loop of them would stop at reflexr's depth limit:
+
+- ``ops:agent-replied``: on ``artifactr:message_posted`` by ``agent:*`` of kind ``message`` (the
+  agent's reply in an incident thread: only the triage rule starts turns), a notice
+  "follow-up: the agent answered: ...";
+- ``ops:page-on-call``: on a ``message_posted`` that is not a notice and says ``@on-call`` (the
+  agent's reply does), a notice "paging @on-call ...". It leaves notices out by their kind: its
+  own page says ``@on-call`` too;
+- ``ops:incident-scribe``: on ``artifactr:turn_ended`` (completed), an agent-driven rule
+  (:mod:`rules.example.scribe`): an offline model that acts through the run's tools
+  (:mod:`relayr.agent_tools`) proposes a triage note, then posts a notice naming the proposal.
+
 Decisions:
 
 - ``start="beginning"``: reflexr's default (``"now"``) starts a rule at the log's head when it is
@@ -27,7 +40,8 @@ Decisions:
   a thread another holder has claimed, clears fast, and tests settle fast.
 
 Layout: :mod:`rules.example.events` (the event types), :mod:`rules.example.rules`,
-:mod:`rules.example.agent` (the agent and its artifact kind) and :mod:`rules.example.actions`.
+:mod:`rules.example.agent` (the agent and its artifact kind), :mod:`rules.example.scribe` (the
+scribe agent) and :mod:`rules.example.actions`.
 This module holds only the factories, and imports each piece where a factory needs it, so that
 a command loads only the library it uses (ADR-0050): ``relayr publish`` builds
 :func:`create_rules` (reflexr only), ``relayr thread`` :func:`create_artifacts` (artifactr
@@ -54,7 +68,14 @@ if TYPE_CHECKING:
     from reflexr.workspace import Storage as RuleStorage
     from reflexr.workspace import Workspaces as RuleWorkspaces
 
-    from rules.example.actions import ACTIONS, deploy_notice, incident_triage
+    from rules.example.actions import (
+        ACTIONS,
+        agent_replied,
+        deploy_notice,
+        incident_scribe,
+        incident_triage,
+        page_on_call,
+    )
     from rules.example.agent import REPLY, TriageNote, triage_agent
     from rules.example.events import (
         EVENTS,
@@ -63,29 +84,51 @@ if TYPE_CHECKING:
         IncidentEvent,
         IncidentOpened,
     )
-    from rules.example.rules import ACTION_TIMEOUT, DEPLOY_NOTICE, INCIDENT_TRIAGE, RETRY, RULES
+    from rules.example.rules import (
+        ACTION_TIMEOUT,
+        AGENT_REPLIED,
+        DEPLOY_NOTICE,
+        INBOUND_RULES,
+        INCIDENT_SCRIBE,
+        INCIDENT_TRIAGE,
+        ON_CALL,
+        PAGE_ON_CALL,
+        RETRY,
+        RULES,
+    )
+    from rules.example.scribe import SCRIBE, SCRIBE_TOOL_CALLS
 
 __all__ = [
     "ACTIONS",
     "ACTION_TIMEOUT",
+    "AGENT_REPLIED",
     "DEPLOY_NOTICE",
     "EVENTS",
+    "INBOUND_RULES",
+    "INCIDENT_SCRIBE",
     "INCIDENT_TRIAGE",
+    "ON_CALL",
+    "PAGE_ON_CALL",
     "REPLY",
     "RETRY",
     "RULES",
+    "SCRIBE",
+    "SCRIBE_TOOL_CALLS",
     "DeployEvent",
     "DeployFinished",
     "IncidentEvent",
     "IncidentOpened",
     "TriageNote",
+    "agent_replied",
     "artifact_workspaces",
     "build_app",
     "create_app",
     "create_artifacts",
     "create_rules",
     "deploy_notice",
+    "incident_scribe",
     "incident_triage",
+    "page_on_call",
     "rule_workspaces",
     "triage_agent",
 ]
@@ -98,9 +141,28 @@ PIECES: Final = {
         "IncidentEvent",
         "IncidentOpened",
     ),
-    "rules.example.rules": ("ACTION_TIMEOUT", "DEPLOY_NOTICE", "INCIDENT_TRIAGE", "RETRY", "RULES"),
+    "rules.example.rules": (
+        "ACTION_TIMEOUT",
+        "AGENT_REPLIED",
+        "DEPLOY_NOTICE",
+        "INBOUND_RULES",
+        "INCIDENT_SCRIBE",
+        "INCIDENT_TRIAGE",
+        "ON_CALL",
+        "PAGE_ON_CALL",
+        "RETRY",
+        "RULES",
+    ),
     "rules.example.agent": ("REPLY", "TriageNote", "triage_agent"),
-    "rules.example.actions": ("ACTIONS", "deploy_notice", "incident_triage"),
+    "rules.example.scribe": ("SCRIBE", "SCRIBE_TOOL_CALLS"),
+    "rules.example.actions": (
+        "ACTIONS",
+        "agent_replied",
+        "deploy_notice",
+        "incident_scribe",
+        "incident_triage",
+        "page_on_call",
+    ),
 }
 """Which module holds each piece this module names."""
 
@@ -116,13 +178,20 @@ def __getattr__(name: str) -> Any:
 
 
 def rule_workspaces(storage: "RuleStorage") -> "RuleWorkspaces":
-    """reflexr's workspaces of the example on ``storage``: its events and rules."""
+    """reflexr's workspaces of the example on ``storage``: its events, the bridged ones (their
+    namespace reserved to the follower), and its rules, outbound and inbound."""
     from reflexr.workspace import Workspaces
 
+    from relayr.follow.events import BRIDGED_EVENTS, PUBLISHERS
     from rules.example.events import EVENTS
-    from rules.example.rules import RULES
+    from rules.example.rules import INBOUND_RULES, RULES
 
-    return Workspaces(storage, events=list(EVENTS), rules=RULES)
+    return Workspaces(
+        storage,
+        events=[*EVENTS, *BRIDGED_EVENTS],
+        publishers=PUBLISHERS,
+        rules=(*RULES, *INBOUND_RULES),
+    )
 
 
 def artifact_workspaces(storage: "ArtifactStorage") -> "ArtifactWorkspaces":

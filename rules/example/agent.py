@@ -21,7 +21,7 @@ class TriageNote(MarkdownArtifact):
 
 REPLY: Final = (
     "Triage plan: check the deploys of the last hour, the error rate of the affected service, "
-    "and recent config changes; I will post what I find here."
+    "and recent config changes; @on-call, watch the error rate. I will post what I find here."
 )
 
 
