@@ -36,9 +36,7 @@ K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 ENV_EXAMPLE = DEPLOY / "systemd" / "relayr.env.example"
 
-SETTINGS_VARIABLES = frozenset(
-    PREFIX + name.upper() for name in Settings.model_fields
-)
+SETTINGS_VARIABLES = frozenset(PREFIX + name.upper() for name in Settings.model_fields)
 """Every variable relayr reads: one per settings field."""
 
 PYTHON_VARIABLES = frozenset({"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"})
