@@ -26,6 +26,7 @@ from reflexr.core import (
     Envelope,
     Rule,
     RuleProgress,
+    Run,
     begin,
     create_run,
     evaluate,
@@ -42,10 +43,10 @@ transaction holds the workspace's lock while it decodes them, which workers wait
 
 @dataclass(frozen=True)
 class Evaluated:
-    """What evaluating a workspace did: the firings it made, the last seq it was to read, and
-    whether it read that far."""
+    """What evaluating a workspace did: the runs its firings made, the last seq it was to read,
+    and whether it read that far."""
 
-    firings: int
+    runs: tuple[Run, ...]
     up_to: int
     caught_up: bool
 
@@ -63,17 +64,17 @@ async def evaluate_workspace(
         cursors = {rule.name: await _progress(transaction, rule, head) for rule in enabled}
         low = min((progress.cursor for progress in cursors.values()), default=last)
         if low >= last:
-            return Evaluated(0, last, True)
+            return Evaluated((), last, True)
         envelopes = [
             envelope
             for envelope in await transaction.read(after_seq=low, limit=BATCH_ENVELOPES)
             if envelope.seq <= last
         ]
-        firings = 0
+        made: list[Run] = []
         for rule in enabled:
-            firings += await _evaluate(rules, transaction, rule, cursors[rule.name], envelopes)
+            made += await _evaluate(rules, transaction, rule, cursors[rule.name], envelopes)
         read_to = envelopes[-1].seq if envelopes else last
-    return Evaluated(firings, last, read_to >= last)
+    return Evaluated(tuple(made), last, read_to >= last)
 
 
 async def _progress(transaction: Transaction, rule: Rule, head: int) -> RuleProgress:
@@ -97,11 +98,12 @@ async def _evaluate(
     rule: Rule,
     progress: RuleProgress,
     envelopes: list[Envelope],
-) -> int:
-    """Fold the envelopes after the rule's cursor into its state; save what it decided."""
+) -> list[Run]:
+    """Fold the envelopes after the rule's cursor into its state; save what it decided, and
+    return the runs its firings made."""
     new = [envelope for envelope in envelopes if envelope.seq > progress.cursor]
     if not new:
-        return 0
+        return []
     keys = needs(rule, progress, new, predicates=rules.predicates)
     states = await transaction.states(rule.name, keys)
     evaluation = evaluate(
@@ -111,7 +113,8 @@ async def _evaluate(
     await transaction.save_progress(rule.name, evaluation.progress)
     if evaluation.errors:
         await transaction.dead_letter(evaluation.errors)
-    await transaction.save_runs([create_run(f, now=rules.clock()) for f in evaluation.firings])
+    runs = [create_run(firing, now=rules.clock()) for firing in evaluation.firings]
+    await transaction.save_runs(runs)
     await transaction.append(
         [
             Entry(
@@ -124,16 +127,32 @@ async def _evaluate(
             for fact in evaluation.facts
         ]
     )
-    return len(evaluation.firings)
+    return runs
 
 
-async def evaluate_all(rules: Workspaces) -> int:
-    """Evaluate every workspace with a log, each up to the head it had when its turn came."""
-    firings = 0
+async def evaluate_all(
+    rules: Workspaces, *, evaluated_to: dict[WorkspaceRef, int] | None = None
+) -> list[tuple[WorkspaceRef, Run]]:
+    """Evaluate every workspace with a log, each up to the head it had when its turn came;
+    return the runs the firings made, with their workspaces.
+
+    ``evaluated_to`` remembers, across calls, the head each workspace was evaluated up to: a
+    workspace whose head has not moved since is skipped after one read of its head, without the
+    evaluation's transaction and its lock (which on SQLite is the file's write lock). Only for
+    applications whose rules are all in code: a stored rule can change without the log moving.
+    """
+    made: list[tuple[WorkspaceRef, Run]] = []
+    known = evaluated_to if rules.stored_rules is None else None
     for ref in await rules.storage.workspaces():
+        if known is not None and known.get(ref) == await rules.storage.head_seq(ref):
+            continue
         evaluated = await evaluate_workspace(rules, ref)
-        firings += evaluated.firings
+        made += [(ref, run) for run in evaluated.runs]
         while not evaluated.caught_up:
             evaluated = await evaluate_workspace(rules, ref, up_to=evaluated.up_to)
-            firings += evaluated.firings
-    return firings
+            made += [(ref, run) for run in evaluated.runs]
+        if known is not None:
+            # what this evaluation appended (its firings' facts) moved the head past it, so
+            # the next pass evaluates those
+            known[ref] = evaluated.up_to
+    return made

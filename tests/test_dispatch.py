@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from artifactr import Workspaces as ArtifactWorkspaces
@@ -22,7 +23,7 @@ from relayr.application import Application, open_storage
 from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.bridge import Bridge
 from relayr.core.allowlist import Allowlists
-from relayr.dispatch import Dispatcher, DispatchPass
+from relayr.dispatch import DUE_READ_INTERVAL_S, Dispatcher, DispatchPass
 from relayr.executor import execute_run, execute_runs
 from relayr.runtime import Runtime
 from relayr.settings import Settings
@@ -442,3 +443,65 @@ async def test_serve_survives_a_failing_pass(harness: Harness) -> None:
 
     assert failures == 1
     assert calls == 1
+
+
+@pytest.fixture
+async def unordered(tmp_path: Path) -> AsyncIterator[Harness]:
+    """A harness whose application has no rule ordered by scope."""
+    settings = Settings(
+        home=tmp_path,
+        database_url=f"sqlite+aiosqlite:///{tmp_path}/relayr.db",
+        requeue_after_s=REQUEUE_AFTER_S,
+        turn_grace_s=0,
+    )
+    storage = await open_storage(settings)
+    application = Application(
+        artifacts=ArtifactWorkspaces(storage.artifacts),
+        rules=RuleWorkspaces(storage.rules, events=[Ping, Step], rules=RULES[:1]),
+        actions={"act": act},
+        app_deps=Gates(),
+        engines=storage.engines,
+    )
+    runtime = await Runtime.start(
+        settings, role="dispatcher", application=application, allowlists=Allowlists.empty
+    )
+    try:
+        yield Harness(runtime)
+    finally:
+        await runtime.aclose()
+
+
+async def test_runs_it_fired_are_enqueued_without_reading_every_due_run(
+    unordered: Harness,
+) -> None:
+    """The due list is read every DUE_READ_INTERVAL_S; a run that comes due meanwhile waits
+    for that read, a run a pass fires does not."""
+    harness = unordered
+    reads = 0
+    original = harness.rules.storage.due_runs
+
+    async def counted(**kwargs: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return await original(**kwargs)
+
+    harness.rules.storage.due_runs = counted  # type: ignore[method-assign]
+    try:
+        await harness.publish(Ping(mode="fail"), Ping())
+        first, [failing, other] = await harness.dispatch()
+        [retrying, done] = await execute_runs(harness.runtime, TENANT, WORKSPACE, [failing, other])
+        await harness.publish(Ping(), Ping())
+        second, fired = await harness.dispatch()
+        await asyncio.sleep(BACKOFF.total_seconds() * 1.5)
+        _, early = await harness.dispatch()
+        harness.clock.now += DUE_READ_INTERVAL_S
+        fourth, late = await harness.dispatch()
+    finally:
+        del harness.rules.storage.due_runs
+
+    assert (retrying.outcome, done.outcome) == ("retrying", "succeeded")
+    assert (first.enqueued, second.enqueued, len(fired)) == (2, 2, 2)
+    assert early == []
+    assert late == [failing]
+    assert fourth.waiting == 2
+    assert reads == 2
