@@ -452,3 +452,50 @@ async def test_a_pass_over_rules_writes_and_turns_reads_their_causes_at_once(
     assert busy.bridged == 15  # each thread: the question, the answer, the turn's end
     assert busy.dead == 0
     assert len(begun) <= 5, begun  # the read, the causes, the publish, the cursor (+ a lease)
+
+
+# ─── the follower appends as reflexr's publish does ──────────────────────────
+
+
+async def test_a_batch_is_logged_as_publish_would_log_its_events(world: World) -> None:
+    """The follower's append and reflexr's ``publish`` (with the same causation, as
+    ``caused_by`` stamps it) log the same envelope, and both start a new workspace's rules at
+    its first event."""
+    thread = await world.thread()
+    await world.publish(Asked(thread_id=thread, text="status?"))
+    await world.settle()
+    bridged = await world.bridged()
+    rules = world.runtime.application.rules
+    copy = await rules.open(TENANT, "copy", actor=FOLLOWER)
+
+    for envelope in bridged:
+        handle = (
+            copy
+            if envelope.causation is None
+            else copy.caused_by(envelope.causation, correlation_id=envelope.correlation_id)
+        )
+        published = await handle.publish(envelope.event, id=envelope.id)
+        again = published.envelope
+        assert (again.id, again.actor, again.causation, again.event) == (
+            envelope.id,
+            envelope.actor,
+            envelope.causation,
+            envelope.event,
+        )
+        if envelope.causation is None:
+            assert again.correlation_id == envelope.correlation_id == envelope.id
+
+
+async def test_a_new_workspace_s_rules_start_at_its_first_bridged_event(world: World) -> None:
+    handle = await world.runtime.application.artifacts.open(TENANT, "fresh", actor=PERSON)
+    thread = (await handle.create_thread("new")).id
+    await handle.post_message(thread, "first words")
+
+    done = await world.followers.follow(WorkspaceKey(TENANT, "fresh"))
+
+    fresh = await world.runtime.application.rules.open(TENANT, "fresh", actor=FOLLOWER)
+    progress = await fresh.rule_progress()
+    assert done.bridged == 1
+    assert {name: p.cursor for name, p in progress.items()} == {
+        name: 0 for name in world.runtime.application.rules.rules
+    }
