@@ -6,7 +6,7 @@ runs hold afterwards, and what the model was told back (a retry prompt, or a too
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from relayr.application import Application, open_storage
 from relayr.batch import RunBatch
 from relayr.bridge import Bridge
 from relayr.core.allowlist_toml import parse_allowlist
-from relayr.dispatch import Dispatcher
+from relayr.dispatch import DUE_READ_INTERVAL_S, Dispatcher
 from relayr.executor import execute_runs
 from relayr.runtime import Runtime
 from relayr.settings import Settings
@@ -60,11 +60,11 @@ class Scripted(ToolsTestEvent, name="scripted"):
     fail_first_attempt: bool = False
 
 
-class Note(MarkdownArtifact):
+class ToolsNote(MarkdownArtifact):
     """The kind the agent may create: as proposals."""
 
 
-class Record(MarkdownArtifact):
+class ToolsRecord(MarkdownArtifact):
     """A kind the rule writes directly (the allowlist's ``direct``)."""
 
 
@@ -89,7 +89,7 @@ async def _script(messages: list[ModelMessage], info: AgentInfo) -> ModelRespons
 AGENT = Agent(
     FunctionModel(_script),
     deps_type=RuleTools,
-    capabilities=[RuleCapability(types=[Note])],
+    capabilities=[RuleCapability(types=[ToolsNote])],
 )
 
 
@@ -126,7 +126,7 @@ RULES = [
 ALLOWLIST = f"""
 [rules."{RULE}"]
 threads = "chain"
-direct = ["record"]
+direct = ["tools_record"]
 """
 
 FORBIDDEN_ACTION = "artifactr:archive_artifact"
@@ -138,6 +138,18 @@ async def _authorize(tenant: str, workspace: str | None, actor: Any, access: Any
     return not (actor.kind == "external_agent" and access.action == FORBIDDEN_ACTION)
 
 
+def stepping() -> Callable[[], float]:
+    """A dispatcher's clock that moves a due-list interval at each reading, so every pass
+    reads the due list and finds a run whose retry came due."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += DUE_READ_INTERVAL_S
+        return now[0]
+
+    return clock
+
+
 class Harness:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -145,7 +157,7 @@ class Harness:
         async def empty() -> int:
             return 0
 
-        self.dispatcher = Dispatcher(runtime, queue_depth=empty)
+        self.dispatcher = Dispatcher(runtime, queue_depth=empty, monotonic=stepping())
         self.person = UserActor(id="alice")
 
     async def artifacts(self) -> Any:
@@ -198,7 +210,9 @@ async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     settings = Settings(home=tmp_path, database_url=url, turn_grace_s=0)
     storage = await open_storage(settings)
     application = Application(
-        artifacts=ArtifactWorkspaces(storage.artifacts, types=[Note, Record], authorize=_authorize),
+        artifacts=ArtifactWorkspaces(
+            storage.artifacts, types=[ToolsNote, ToolsRecord], authorize=_authorize
+        ),
         rules=RuleWorkspaces(storage.rules, events=[Scripted], rules=RULES),
         actions={"scribe": scribe},
         engines=storage.engines,
@@ -216,14 +230,14 @@ async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 async def test_each_tool_writes_as_the_rule(harness: Harness) -> None:
     thread = await harness.thread()
     handle = await harness.artifacts()
-    await handle.commit(create_artifact(Note(text="# runbook"), artifact_id="art_runbook"))
+    await handle.commit(create_artifact(ToolsNote(text="# runbook"), artifact_id="art_runbook"))
 
     done = await harness.script(
         thread,
         ("post_notice", {"content": "looking into it"}),
         ("post_message", {"content": "anyone on it?"}),
         ("read_artifact", {"artifact_id": "art_runbook"}),
-        ("create_artifact", {"kind": "note", "data": {"text": "# triage"}}),
+        ("create_artifact", {"kind": "tools_note", "data": {"text": "# triage"}}),
         ("edit_artifact", {"artifact_id": "art_runbook", "path": "/text", "value": "# v2"}),
     )
 
@@ -232,7 +246,7 @@ async def test_each_tool_writes_as_the_rule(harness: Harness) -> None:
     told = done.output["told"]  # type: ignore[index]
     assert told[0].startswith("ok: posted notice msg_")
     assert told[1].startswith("ok: posted message msg_")
-    assert "art_runbook (note, v1)" in told[2]
+    assert "art_runbook (tools_note, v1)" in told[2]
     assert "# runbook" in told[2]
     assert told[3].startswith("ok: proposed: proposal prp_")
     assert told[4].startswith("ok: proposed: proposal prp_")
@@ -270,7 +284,7 @@ async def test_what_artifactr_refuses_as_invalid_goes_back_to_the_model(
 
     done = await harness.script(
         thread,
-        ("create_artifact", {"kind": "note", "data": {"title": "no text"}}),
+        ("create_artifact", {"kind": "tools_note", "data": {"title": "no text"}}),
         ("create_artifact", {"kind": "plan", "data": {"text": "x"}}),
         ("read_artifact", {"artifact_id": "art_missing"}),
         ("edit_artifact", {"artifact_id": "art_missing", "path": "/text", "value": "x"}),
@@ -291,7 +305,7 @@ async def test_what_artifactr_refuses_as_invalid_goes_back_to_the_model(
 async def test_any_other_refusal_fails_the_run(harness: Harness) -> None:
     thread = await harness.thread()
     handle = await harness.artifacts()
-    await handle.commit(create_artifact(Record(text="# old"), artifact_id="art_old"))
+    await handle.commit(create_artifact(ToolsRecord(text="# old"), artifact_id="art_old"))
 
     done = await harness.script(thread, ("archive_artifact", {"artifact_id": "art_old"}))
 
@@ -318,7 +332,7 @@ async def test_a_retried_attempt_makes_its_agent_writes_once(harness: Harness) -
     done = await harness.script(
         thread,
         ("post_notice", {"content": "looking into it"}),
-        ("create_artifact", {"kind": "note", "data": {"text": "# triage"}}),
+        ("create_artifact", {"kind": "tools_note", "data": {"text": "# triage"}}),
         fail_first_attempt=True,
     )
 
