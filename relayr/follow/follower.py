@@ -49,7 +49,7 @@ from artifactr import SystemActor as ArtifactSystemActor
 from artifactr import Workspace as ArtifactWorkspace
 from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.core import Envelope as ArtifactrEnvelope
-from artifactr.core import RunStarted
+from artifactr.core import Rejection, RunStarted
 from reflexr import Event
 from reflexr.core import Causation
 from reflexr.workspace import Access, Entry, WorkspaceRef
@@ -620,9 +620,11 @@ class Followers:
             if turn is None or turn in found:
                 continue
             kept = self._turns.get((key, turn))
-            if kept is None and envelope.thread_id is not None:
-                kept = await self._find_turn(handle, envelope.thread_id, turn, envelope.seq)
-                self._keep_turn(key, turn, kept)
+            if kept is None:
+                thread_id = envelope.thread_id or await _thread_of(handle, turn)
+                if thread_id is not None:
+                    kept = await self._find_turn(handle, thread_id, turn, envelope.seq)
+                    self._keep_turn(key, turn, kept)
             found[turn] = kept or ()
         return found
 
@@ -733,6 +735,14 @@ def _cause_of(
     if envelope.run_id is not None:
         return newest_cause(turns.get(envelope.run_id, ()), messages)
     return None
+
+
+async def _thread_of(handle: ArtifactWorkspace, turn: str) -> str | None:
+    """The thread of a turn, for an envelope of it that names none (an artifact's change)."""
+    try:
+        return (await handle.run(turn)).thread_id
+    except Rejection:
+        return None
 
 
 def _order(key: WorkspaceKey) -> tuple[str, str]:
