@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, Self
 
-from pydantic import AfterValidator, Field, ValidationError, model_validator
+from pydantic import AfterValidator, Field, SecretStr, ValidationError, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
@@ -79,6 +79,20 @@ def _queue(value: str) -> str:
     return value
 
 
+CONSOLE_TOKEN_MIN_CHARS: Final = 16
+"""The shortest token the console accepts for its actions: a guessable one would hand anyone
+who reaches the console's port the power to retry, cancel and skip runs (ADR-0070)."""
+
+
+def _console_token(value: SecretStr) -> SecretStr:
+    if len(value.get_secret_value()) < CONSOLE_TOKEN_MIN_CHARS:
+        # the error names the variable, never the value: it is a secret
+        raise PydanticCustomError(
+            "secret", f"use at least {CONSOLE_TOKEN_MIN_CHARS} characters (a random string)"
+        )
+    return value
+
+
 _Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 """A positive, finite number of seconds."""
 
@@ -110,6 +124,8 @@ class Settings(BaseSettings):
         requeue_after_s: How long a run the dispatcher enqueued may stay due before it is
             enqueued again, as a message the broker lost. Make it longer than a message
             usually waits in the queue: a duplicate is harmless but costs a claim.
+        console_token: What ``relayr console`` asks before it lets someone act on runs
+            (``RELAYR_CONSOLE_TOKEN``); without it the console only reads (ADR-0070).
     """
 
     model_config = SettingsConfigDict(env_prefix=PREFIX, frozen=True, extra="forbid")
@@ -129,6 +145,7 @@ class Settings(BaseSettings):
     turn_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 30.0
     dispatch_interval_s: _Seconds = 1.0
     requeue_after_s: _Seconds = 60.0
+    console_token: Annotated[SecretStr, AfterValidator(_console_token)] | None = None
 
     @classmethod
     def settings_customise_sources(
@@ -240,7 +257,7 @@ def _problem(error: ErrorDetails) -> str:
     given, kind = error.get("input"), error["type"]
     if kind == "extra_forbidden":
         return f"{field} is not a setting"
-    if kind == "unnamed":
+    if kind in ("unnamed", "secret"):
         return f"{variable} is invalid: {error['msg']}"
     if kind in ("greater_than", "greater_than_equal"):
         number = int(given) if field == "max_redeliveries" else float(given)

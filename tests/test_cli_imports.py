@@ -19,8 +19,22 @@ from click.testing import CliRunner
 from relayr.cli import COMMANDS, cli
 from tests.workers import REPO, relayr_environment
 
-HEAVY = ("artifactr", "reflexr", "pydantic_ai", "alembic", "sqlalchemy", "celery", "asyncio")
-"""What no ``--help`` may import: the libraries, their schema tools, Celery, even asyncio."""
+HEAVY = (
+    "artifactr",
+    "reflexr",
+    "pydantic_ai",
+    "alembic",
+    "sqlalchemy",
+    "celery",
+    "asyncio",
+    "starlette",
+    "jinja2",
+    "uvicorn",
+    "multipart",
+    "itsdangerous",
+)
+"""What no ``--help`` may import: the libraries, their schema tools, Celery, the console's web
+stack, even asyncio."""
 
 PROBE = """
 import json, sys
@@ -137,6 +151,7 @@ FAMILIES = [
     ["runs", "cancel", "fir_1"],
     ["runs", "skip", "fir_1", "--reason", "r"],
     ["health"],
+    ["console", "--port", "0"],
 ]
 """A command of every family (``relayr demo`` runs on settings of its own, not the caller's)."""
 
@@ -170,6 +185,7 @@ def test_invalid_settings_are_bad_input_under_every_family(
         ["runs", "list"],
         ["runs", "show", "fir_1"],
         ["worker"],
+        ["console", "--port", "0"],
     ],
     ids=" ".join,
 )

@@ -61,7 +61,7 @@ async def run_scenario(
 
     from relayr import demo
     from relayr.cli.serve import serve_dispatcher
-    from relayr.cli.threads import read_thread
+    from relayr.transcript import read_thread
     from relayr.runtime import Runtime
 
     tenant_id = tenant_id or demo.TENANT

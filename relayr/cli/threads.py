@@ -6,32 +6,21 @@ agent's replies. These commands build only the application's artifacts part (art
 ADR-0050): no reflexr, no agent, no actions.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import click
 
 from relayr.cli.helpers import echo_json, fail, load_settings, parse_id, parse_workspace, run_async
+from relayr.transcript import ThreadEntry, marker, read_thread
 
 if TYPE_CHECKING:
     from artifactr import UserActor
-    from artifactr import Workspace as ArtifactWorkspace
 
 CLI_USER_ID = "relayr-cli"
 CLI_USER_NAME = "relayr CLI"
 """Who creates threads and reads them from the command line, as artifactr records it
 (``user:relayr-cli``); the demo acts as the same user (:data:`relayr.demo.CLI_USER`)."""
-
-
-@dataclass(frozen=True)
-class ThreadEntry:
-    """One message of a thread, as ``relayr thread show`` prints it."""
-
-    id: str
-    kind: str
-    author: str
-    content: str
-    seq: int
 
 
 def cli_user() -> "UserActor":
@@ -41,31 +30,10 @@ def cli_user() -> "UserActor":
     return UserActor(id=CLI_USER_ID, name=CLI_USER_NAME)
 
 
-async def read_thread(workspace: "ArtifactWorkspace", thread_id: str) -> list[ThreadEntry]:
-    """Every message of a thread, in order: people's, the rules' and the agent's."""
-    from artifactr.core import MessagePosted
-
-    entries = []
-    for envelope in await workspace.read(threads={thread_id}):
-        event = envelope.event
-        if isinstance(event, MessagePosted) and event.thread_id == thread_id:
-            entries.append(
-                ThreadEntry(
-                    id=event.message_id,
-                    kind=event.kind,
-                    author=envelope.actor.participant,
-                    content=event.content,
-                    seq=envelope.seq,
-                )
-            )
-    return entries
-
-
 def format_entry(entry: ThreadEntry) -> str:
     """One message for people: ``#seq [notice] author (id)``, then its content, indented."""
-    marker = "[notice]" if entry.kind == "notice" else "[message]"
     content = entry.content.replace("\n", "\n    ")
-    return f"#{entry.seq} {marker} {entry.author} ({entry.id})\n    {content}"
+    return f"#{entry.seq} {marker(entry.kind)} {entry.author} ({entry.id})\n    {content}"
 
 
 @click.group()

@@ -1,0 +1,164 @@
+"""``relayr console``: the ops console in the browser (:mod:`relayr.console`), served by uvicorn.
+
+The console runs on the same settings and storage as every other command, the embedded
+defaults included: one runtime of this process, opened in the loop uvicorn serves on (the
+libraries' engines belong to the loop that made them), and the enqueue ``relayr runs retry``
+uses, so a retry from the browser is the command line's retry.
+
+It binds to loopback unless ``--host`` says otherwise, and reads only unless
+``RELAYR_CONSOLE_TOKEN`` is set (ADR-0070). The settings are read, then the address is bound,
+before the runtime is opened: invalid settings, a port in use and an application that cannot
+load are each bad input (exit code 2). ``--port 0`` takes a free port; the line the command
+prints names the one it took.
+
+``relayr console --probe`` asks a running console's ``/healthz`` (exit 0, or 1 when it does not
+answer): the health check of a deployment that runs it.
+
+Starlette, Jinja2 and uvicorn are imported when the command runs, never for ``--help``
+(ADR-0050).
+"""
+
+import socket
+from typing import TYPE_CHECKING, Final
+
+import click
+
+from relayr.cli.helpers import EXIT_UNHEALTHY, fail, in_runtime, load_settings
+
+if TYPE_CHECKING:
+    from relayr.runtime import Runtime
+    from relayr.settings import Settings
+
+DEFAULT_HOST: Final = "127.0.0.1"
+"""Loopback: a console reachable from elsewhere is a decision its operator makes (--host)."""
+
+DEFAULT_PORT: Final = 8787
+
+PROBE_TIMEOUT_S: Final = 3.0
+"""How long ``--probe`` waits for ``/healthz``: inside a health check's usual 5-10 s."""
+
+WILDCARDS: Final = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+"""Where ``--probe`` looks for a console bound to every address: its loopback."""
+
+
+@click.command("console")
+@click.option(
+    "--host",
+    default=DEFAULT_HOST,
+    show_default=True,
+    help="The address to listen on; anything but loopback lets other hosts reach the console.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=DEFAULT_PORT,
+    show_default=True,
+    help="The port to listen on (0: a free one, named in the line printed at start).",
+)
+@click.option(
+    "--probe",
+    is_flag=True,
+    help="Do not serve: exit 0 if the console at --host/--port answers /healthz, else 1.",
+)
+def console(host: str, port: int, probe: bool) -> None:
+    """Serve the ops console: runs, a run, threads, the allowlist, health; actions with a token.
+
+    Read-only unless RELAYR_CONSOLE_TOKEN is set; then a person logs in with it to retry,
+    cancel and skip runs. Ctrl-C or SIGTERM stops it.
+    """
+    if probe:
+        _probe(host, port)
+        return
+    settings = load_settings(log_level="INFO")
+    if settings.console_token is None:
+        access = "read-only: RELAYR_CONSOLE_TOKEN is not set"
+    else:
+        access = "actions for whoever logs in with RELAYR_CONSOLE_TOKEN"
+    listener = _listen(host, port)
+    try:
+        _serve(settings, listener, access)
+    finally:
+        listener.close()
+
+
+def _serve(settings: "Settings", listener: socket.socket, access: str) -> None:
+    """Serve the console on ``listener`` until Ctrl-C or SIGTERM."""
+    loopback = _is_loopback(listener)
+    bound_host, bound_port = listener.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    from relayr.cli.runs import enqueuer
+
+    enqueue = enqueuer(settings)
+
+    async def serve(runtime: "Runtime") -> None:
+        import uvicorn
+
+        from relayr.console.app import Console, create_app
+
+        app = create_app(Console(runtime, enqueue, loopback=loopback))
+        config = uvicorn.Config(
+            app,
+            lifespan="off",  # the runtime is this command's, opened before the server starts
+            log_config=None,  # relayr's logging (stderr, RELAYR_LOG_FORMAT) carries its lines
+            server_header=False,
+            proxy_headers=False,
+        )
+        click.echo(f"relayr console on http://{shown}:{bound_port}/ ({access})")
+        if not loopback:
+            click.echo(
+                f"warning: listening on {bound_host}, not loopback: whoever reaches this port "
+                "can read runs and threads; serve it behind TLS and your access control",
+                err=True,
+            )
+        await uvicorn.Server(config).serve(sockets=[listener])
+
+    in_runtime(settings, serve)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening.
+
+    Raises:
+        BadInput: When the address cannot be resolved or bound (in use, not this host's).
+    """
+    try:
+        (family, kind, protocol, _, address), *_ = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as error:
+        fail(f"--host {host!r} cannot be resolved: {(error.strerror or str(error)).lower()}")
+    listener = socket.socket(family, kind, protocol)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen()
+    except OSError as error:
+        listener.close()
+        reason = (error.strerror or type(error).__name__).lower()
+        fail(f"cannot listen on {host} port {port}: {reason}")
+    return listener
+
+
+def _is_loopback(listener: socket.socket) -> bool:
+    import ipaddress
+
+    return ipaddress.ip_address(listener.getsockname()[0]).is_loopback
+
+
+def _probe(host: str, port: int) -> None:
+    """Exit 0 when the console at ``host:port`` answers ``/healthz``, else 1 with the reason."""
+    import urllib.request
+
+    target = WILDCARDS.get(host, host)
+    shown = f"[{target}]" if ":" in target else target
+    url = f"http://{shown}:{port}/healthz"
+    try:
+        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as answer:
+            body = answer.read(64)
+    except OSError as error:
+        click.echo(f"console unhealthy: {url}: {error}", err=True)
+        raise SystemExit(EXIT_UNHEALTHY) from None
+    if body.strip() != b"ok":
+        click.echo(f"console unhealthy: {url} answered {body!r}", err=True)
+        raise SystemExit(EXIT_UNHEALTHY)
+    click.echo(f"console healthy: {url}")

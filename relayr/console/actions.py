@@ -1,0 +1,120 @@
+"""What the console's buttons do: the command line's own operations on runs, nothing else.
+
+Each action is the call ``relayr runs`` makes (:mod:`relayr.ops`), with the same enqueue
+(:func:`relayr.cli.runs.enqueuer`, handed in by ``relayr console``), so a run retried from the
+browser is retried exactly as ``relayr runs retry`` retries it: reflexr's operator retry, then
+an enqueue that rides out a broker restart and, when the broker stays down, leaves the run
+retried for the dispatcher (ADR-0034).
+
+Retrying the dead runs of a filter takes two steps. The preview is ``relayr runs retry --dead
+--dry-run``: the dead runs the filter selects now, each as the dry run judges it. The
+confirmation names those runs, and only those: a run that died after the preview is not
+retried by it, and a run of the preview that is no longer dead (someone retried it meanwhile)
+is reported and left alone.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from relayr.ledger.port import WorkspaceKey
+from relayr.ops import Done, EnqueueRun, RunRow, cancel, find_run, list_runs, retry, skip
+from relayr.runtime import Runtime
+
+from .queries import RunQuery
+
+BULK_RETRY_MAX: Final = 500
+"""The most runs one confirmation retries: the preview lists them all in one page, and the
+confirmation's form carries each id. More wait for the next preview."""
+
+DEFAULT_CANCEL_REASON: Final = "cancelled by ops"
+"""The reason a cancel records when none is given: the command line's default."""
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """A run named by its workspace and id, as the confirmation form carries it."""
+
+    workspace: WorkspaceKey
+    run_id: str
+
+    def __str__(self) -> str:
+        return f"{self.workspace}/{self.run_id}"
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What retrying the dead runs of a filter would do (``runs retry --dead --dry-run``)."""
+
+    query: RunQuery
+    results: list[Done]
+    more: int
+    """Dead runs of the filter past :data:`BULK_RETRY_MAX`, left for the next preview."""
+
+    @property
+    def retried(self) -> list[Done]:
+        """The runs a confirmation would retry."""
+        return [result for result in self.results if result.ok]
+
+
+async def retry_one(
+    runtime: Runtime, enqueue: EnqueueRun, run_id: str, workspace: WorkspaceKey | None
+) -> list[Done]:
+    """``relayr runs retry RUN``: reflexr's operator retry, then an enqueue."""
+    rules = runtime.application.rules
+    found, missing = await _find(runtime, [(workspace, run_id)])
+    return [*missing, *await retry(rules, found, enqueue)]
+
+
+async def cancel_one(
+    runtime: Runtime, run_id: str, workspace: WorkspaceKey | None, *, reason: str
+) -> list[Done]:
+    """``relayr runs cancel RUN --reason R``."""
+    found, missing = await _find(runtime, [(workspace, run_id)])
+    return [*missing, *await cancel(runtime.application.rules, found, reason=reason)]
+
+
+async def skip_one(
+    runtime: Runtime, run_id: str, workspace: WorkspaceKey | None, *, reason: str
+) -> list[Done]:
+    """``relayr runs skip RUN --reason R``."""
+    found, missing = await _find(runtime, [(workspace, run_id)])
+    return [*missing, *await skip(runtime.application.rules, found, reason=reason)]
+
+
+async def preview_retry(runtime: Runtime, enqueue: EnqueueRun, query: RunQuery) -> Preview:
+    """``relayr runs retry --dead [--rule] [--workspace] [--since] --dry-run``: nothing changes."""
+    rules = runtime.application.rules
+    dead = await list_runs(rules, query.run_filter(rules.clock(), limit=None))
+    taken = dead[:BULK_RETRY_MAX]
+    results = await retry(rules, taken, enqueue, dry_run=True)
+    return Preview(query=query, results=results, more=len(dead) - len(taken))
+
+
+async def confirm_retry(
+    runtime: Runtime, enqueue: EnqueueRun, refs: Sequence[RunRef]
+) -> list[Done]:
+    """Retry the runs a preview listed that are still dead, as ``relayr runs retry RUN...``."""
+    found, missing = await _find(runtime, [(ref.workspace, ref.run_id) for ref in refs])
+    dead = [row for row in found if row.status == "dead"]
+    moved = [
+        Done(row.id, str(row.workspace), False, f"no longer dead ({row.status}): not retried")
+        for row in found
+        if row.status != "dead"
+    ]
+    return [*missing, *moved, *await retry(runtime.application.rules, dead, enqueue)]
+
+
+async def _find(
+    runtime: Runtime, named: Sequence[tuple[WorkspaceKey | None, str]]
+) -> tuple[list[RunRow], list[Done]]:
+    """The runs named, and a refusal for each that does not exist (as ``relayr runs``)."""
+    found: list[RunRow] = []
+    missing: list[Done] = []
+    for workspace, run_id in named:
+        row = await find_run(runtime.application.rules, run_id, workspace)
+        if row is None:
+            missing.append(Done(run_id, str(workspace or "*"), False, f"no run {run_id}"))
+        else:
+            found.append(row)
+    return found, missing

@@ -1,0 +1,480 @@
+"""The console's ASGI app: server-rendered pages over the runtime, and the actions' POSTs.
+
+:func:`create_app` builds a Starlette app on a :class:`Console`: the process's one runtime
+(opened by ``relayr console`` in the loop uvicorn serves on, as every relayr process opens
+its own: ADR-0004), the enqueue ``relayr runs retry`` uses, and whether it is bound to loopback.
+Pages read (:mod:`relayr.console.reads`); actions change runs (:mod:`relayr.console.actions`)
+only for a logged-in session and only by a POST carrying its CSRF token
+(:mod:`relayr.console.security`, ADR-0070). Templates are Jinja2 with autoescape on, so nothing
+stored is ever rendered as markup; the pages carry no script.
+
+Pages:
+
+- ``/runs``: runs across every workspace, newest first, filtered and paginated;
+- ``/run?id=&workspace=``: one run whole, with its actions;
+- ``/thread?workspace=&id=``: a thread's transcript;
+- ``/allowlist``: what every rule may do, and which entry said so;
+- ``/health``: heartbeats, broker, database, queue depth, followers;
+- ``/retry-dead?...``: the preview of retrying a filter's dead runs, then its confirmation;
+- ``/login``, ``/logout``; ``/healthz`` (``ok``, for probes; reads nothing).
+"""
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import jinja2
+import structlog
+from starlette.applications import Starlette
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from relayr.health import redact
+from relayr.ledger.port import WorkspaceKey
+from relayr.ops import Done, EnqueueRun
+from relayr.runtime import Runtime
+from relayr.transcript import marker
+
+from . import actions, reads
+from .queries import (
+    ID_PATTERN,
+    PAGE_SIZE,
+    STATUS_FILTERS,
+    STATUS_HELP,
+    BadQuery,
+    RunQuery,
+    href,
+    parse_id,
+    parse_workspace,
+)
+from .security import (
+    CSRF_FIELD,
+    LOOPBACK_NAMES,
+    SESSION_COOKIE,
+    SESSION_MAX_AGE_S,
+    SecurityHeaders,
+    cross_site,
+    new_csrf_token,
+    same_secret,
+    session_secret,
+)
+
+HERE: Final = Path(__file__).resolve().parent
+TEMPLATES: Final = HERE / "templates"
+STATIC: Final = HERE / "static"
+
+READ_ONLY: Final = "this console is read-only: RELAYR_CONSOLE_TOKEN is not set"
+"""Why every POST is refused when the console has no token."""
+
+MAX_FORM_FIELDS: Final = actions.BULK_RETRY_MAX + 16
+"""The most fields a form may carry: a bulk retry's runs and a few more."""
+
+MAX_FIELD_BYTES: Final = 16 * 1024
+"""The largest field a form may carry: a reason, a token, an id; nothing needs more."""
+
+MAX_REASON_CHARS: Final = 500
+"""The longest reason a cancel or skip records."""
+
+logger = structlog.get_logger("relayr.console")
+
+type Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class Console:
+    """What the console runs on.
+
+    Attributes:
+        runtime: The process's runtime: settings, the application, the ledger.
+        enqueue: Hands a retried run to the workers (``relayr runs retry``'s).
+        loopback: Whether it is bound to a loopback address: then it answers loopback names
+            only (:class:`relayr.console.security.SecurityHeaders`).
+    """
+
+    runtime: Runtime
+    enqueue: EnqueueRun
+    loopback: bool = True
+
+    @property
+    def token(self) -> str | None:
+        secret = self.runtime.settings.console_token
+        return None if secret is None else secret.get_secret_value()
+
+
+def templates() -> jinja2.Environment:
+    """The console's templates: autoescape always on, a missing variable an error."""
+    environment = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    environment.globals.update(
+        href=href,
+        marker=marker,
+        STATUS_FILTERS=STATUS_FILTERS,
+        STATUS_HELP=STATUS_HELP,
+        PAGE_SIZE=PAGE_SIZE,
+        TURN_ADVICE=reads.TURN_ADVICE,
+    )
+    environment.filters["age"] = age
+    environment.filters["when"] = when
+    return environment
+
+
+def age(then: datetime, now: datetime) -> str:
+    """How long ago ``then`` was, in the largest whole unit: ``45 s``, ``12 min``, ``3 h``."""
+    seconds = max(int((now - then).total_seconds()), 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds // size} {unit}"
+    return f"{seconds} s"
+
+
+def when(moment: datetime | None) -> str:
+    """A moment in UTC, to the second; ``-`` for none."""
+    if moment is None:
+        return "-"
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def create_app(console: Console) -> Starlette:
+    """The console's app on ``console``'s runtime."""
+    pages = templates()
+    runtime = console.runtime
+    token = console.token
+
+    def access(request: Request) -> dict[str, Any]:
+        if token is None:
+            return {"mode": "read-only", "can_act": False, "csrf": ""}
+        if request.session.get("ops"):
+            return {"mode": "ops", "can_act": True, "csrf": request.session["csrf"]}
+        return {"mode": "visitor", "can_act": False, "csrf": ""}
+
+    def render(request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
+        page = pages.get_template(name).render(
+            access=access(request), path=request.url.path, **context
+        )
+        return HTMLResponse(page, status_code=status_code)
+
+    async def checked_form(request: Request) -> FormData:
+        """The POST's form, once it is known to come from this console's own page."""
+        if token is None:
+            raise HTTPException(403, READ_ONLY)
+        why = cross_site(request)
+        if why is not None:
+            raise HTTPException(403, f"refused: {why}")
+        form = await request.form(
+            max_files=0, max_fields=MAX_FORM_FIELDS, max_part_size=MAX_FIELD_BYTES
+        )
+        if not same_secret(text(form, CSRF_FIELD), request.session.get("csrf")):
+            raise HTTPException(
+                403, "refused: the form's CSRF token is missing or stale; reload the page"
+            )
+        return form
+
+    async def acting_form(request: Request) -> FormData:
+        """:func:`checked_form`, for a logged-in session only."""
+        form = await checked_form(request)
+        if not request.session.get("ops"):
+            raise HTTPException(403, "refused: log in with the console's token to act")
+        return form
+
+    async def home(request: Request) -> Response:
+        return RedirectResponse("/runs", status_code=303)
+
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok\n")
+
+    async def runs(request: Request) -> Response:
+        query = RunQuery.parse(request.query_params)
+        page = await reads.runs_page(runtime, query)
+        return render(request, "runs.html", title="Runs", page=page)
+
+    async def run(request: Request) -> Response:
+        run_id, workspace = run_named(request.query_params)
+        found = await reads.run_page(runtime, run_id, workspace)
+        if found is None:
+            where = f" in {workspace}" if workspace else ""
+            raise HTTPException(404, f"no run {run_id}{where}")
+        return render(
+            request,
+            "run.html",
+            title=f"Run {run_id}",
+            page=found,
+            now=runtime.application.rules.clock(),
+        )
+
+    async def thread(request: Request) -> Response:
+        params = request.query_params
+        workspace = parse_workspace("workspace", params.get("workspace", ""))
+        thread_id = parse_id("id", params.get("id", ""))
+        found = await reads.thread_page(runtime, workspace, thread_id)
+        if found is None:
+            raise HTTPException(404, f"thread {thread_id} does not exist in {workspace}")
+        return render(request, "thread.html", title=f"Thread {thread_id}", thread=found)
+
+    async def allowlist(request: Request) -> Response:
+        return render(
+            request, "allowlist.html", title="Allowlist", page=reads.allowlist_page(runtime)
+        )
+
+    async def health(request: Request) -> Response:
+        page = await reads.health_page(runtime)
+        return render(request, "health.html", title="Health", page=page, now=datetime.now(UTC))
+
+    async def login_form(request: Request) -> Response:
+        if token is None:
+            return render(
+                request,
+                "login.html",
+                title="Log in",
+                next=next_path(request.query_params.get("next")),
+            )
+        request.session.setdefault("csrf", new_csrf_token())
+        return render(
+            request,
+            "login.html",
+            title="Log in",
+            next=next_path(request.query_params.get("next")),
+            login_csrf=request.session["csrf"],
+        )
+
+    async def login(request: Request) -> Response:
+        form = await checked_form(request)
+        if not same_secret(text(form, "token"), token):
+            logger.warning("console login refused", client=client(request))
+            raise HTTPException(403, "refused: that is not the console's token")
+        request.session.clear()
+        request.session.update({"ops": True, "csrf": new_csrf_token()})
+        logger.info("console login", client=client(request))
+        return RedirectResponse(next_path(text(form, "next")), status_code=303)
+
+    async def logout(request: Request) -> Response:
+        await checked_form(request)
+        request.session.clear()
+        return RedirectResponse("/runs", status_code=303)
+
+    async def retry_run(request: Request) -> Response:
+        form = await acting_form(request)
+        run_id, workspace = run_named(form)
+        results = await actions.retry_one(runtime, console.enqueue, run_id, workspace)
+        return done(request, "Retry", results, back=run_link(run_id, workspace))
+
+    async def cancel_run(request: Request) -> Response:
+        form = await acting_form(request)
+        run_id, workspace = run_named(form)
+        reason = reason_of(form, default=actions.DEFAULT_CANCEL_REASON)
+        results = await actions.cancel_one(runtime, run_id, workspace, reason=reason)
+        return done(request, "Cancel", results, back=run_link(run_id, workspace))
+
+    async def skip_run(request: Request) -> Response:
+        form = await acting_form(request)
+        run_id, workspace = run_named(form)
+        reason = reason_of(form, default=None)
+        results = await actions.skip_one(runtime, run_id, workspace, reason=reason)
+        return done(request, "Skip", results, back=run_link(run_id, workspace))
+
+    async def preview_retry(request: Request) -> Response:
+        query = RunQuery.parse(request.query_params, status="dead")
+        preview = await actions.preview_retry(runtime, console.enqueue, query)
+        return render(request, "preview.html", title="Retry dead runs", preview=preview)
+
+    async def confirm_retry(request: Request) -> Response:
+        form = await acting_form(request)
+        refs = [run_ref(value) for value in form.getlist("run") if isinstance(value, str)]
+        if not refs:
+            raise BadQuery("no run to retry: preview the dead runs again")
+        results = await actions.confirm_retry(runtime, console.enqueue, refs)
+        query = RunQuery.parse(
+            {
+                k: v
+                for k, v in form.items()
+                if isinstance(v, str) and k in ("rule", "workspace", "since")
+            },
+            status="dead",
+        )
+        return done(request, "Retry dead runs", results, back=href("/runs", query.params()))
+
+    def done(request: Request, action: str, results: list[Done], *, back: str) -> Response:
+        logger.info(
+            "console action",
+            action=action,
+            runs=[f"{result.workspace}/{result.run_id}" for result in results],
+            done=sum(result.ok for result in results),
+            refused=sum(not result.ok for result in results),
+            client=client(request),
+        )
+        left = [result for result in results if result.enqueued is False]
+        problem = None
+        if left:
+            listed = ", ".join(f"{result.run_id} ({result.workspace})" for result in left)
+            them = "it" if len(left) == 1 else "them"
+            problem = (
+                f"broker {redact(runtime.settings.broker_url)} is unavailable: retried in "
+                f"reflexr but not enqueued: {listed}; the dispatcher will enqueue {them} once it "
+                "reaches the broker"
+            )
+        return render(
+            request,
+            "results.html",
+            title=action,
+            action=action,
+            results=results,
+            problem=problem,
+            back=back,
+        )
+
+    async def bad_query(request: Request, error: Exception) -> Response:
+        message = error.message if isinstance(error, BadQuery) else str(error)
+        return render(
+            request, "error.html", status_code=400, title="Bad request", status=400, message=message
+        )
+
+    async def http_error(request: Request, error: Exception) -> Response:
+        status = error.status_code if isinstance(error, HTTPException) else 500
+        detail = error.detail if isinstance(error, HTTPException) else "internal error"
+        return render(
+            request,
+            "error.html",
+            status_code=status,
+            title=f"Error {status}",
+            status=status,
+            message=detail,
+        )
+
+    def guarded(endpoint: Endpoint) -> Endpoint:
+        """``endpoint``, with any failure but a refusal shown as a page of its own (500), inside
+        the middleware, so it carries the security headers as every page does."""
+
+        async def guarded_endpoint(request: Request) -> Response:
+            try:
+                return await endpoint(request)
+            except (HTTPException, BadQuery):
+                raise
+            except Exception as error:
+                logger.exception("console page failed", path=request.url.path)
+                message = (
+                    f"the page failed ({type(error).__name__}); the console's log has the details"
+                )
+                return render(
+                    request,
+                    "error.html",
+                    status_code=500,
+                    title="Error 500",
+                    status=500,
+                    message=message,
+                )
+
+        return guarded_endpoint
+
+    pages_and_actions: list[tuple[str, Endpoint, str]] = [
+        ("/", home, "GET"),
+        ("/healthz", healthz, "GET"),
+        ("/runs", runs, "GET"),
+        ("/run", run, "GET"),
+        ("/thread", thread, "GET"),
+        ("/allowlist", allowlist, "GET"),
+        ("/health", health, "GET"),
+        ("/login", login_form, "GET"),
+        ("/login", login, "POST"),
+        ("/logout", logout, "POST"),
+        ("/run/retry", retry_run, "POST"),
+        ("/run/cancel", cancel_run, "POST"),
+        ("/run/skip", skip_run, "POST"),
+        ("/retry-dead", preview_retry, "GET"),
+        ("/retry-dead", confirm_retry, "POST"),
+    ]
+    routes: list[BaseRoute] = [
+        Route(path, guarded(endpoint), methods=[method])
+        for path, endpoint, method in pages_and_actions
+    ]
+    routes.append(Mount("/static", StaticFiles(directory=STATIC), name="static"))
+    middleware = [
+        Middleware(SecurityHeaders, allowed_hosts=LOOPBACK_NAMES if console.loopback else None)
+    ]
+    if token is not None:
+        middleware.append(
+            Middleware(
+                SessionMiddleware,
+                secret_key=session_secret(token),
+                session_cookie=SESSION_COOKIE,
+                max_age=SESSION_MAX_AGE_S,
+                same_site="strict",
+            )
+        )
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        BadQuery: bad_query,
+        HTTPException: http_error,
+    }
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+
+def text(form: FormData, name: str) -> str:
+    """A form's text field, or empty."""
+    value = form.get(name)
+    return value if isinstance(value, str) else ""
+
+
+def run_named(params: Any) -> tuple[str, WorkspaceKey | None]:
+    """The run a page or form names: ``id``, and ``workspace`` when given.
+
+    Raises:
+        BadQuery: When either is malformed.
+    """
+    run_id = parse_id("id", params.get("id") or "")
+    where = params.get("workspace") or None
+    return run_id, None if where is None else parse_workspace("workspace", where)
+
+
+def run_link(run_id: str, workspace: WorkspaceKey | None) -> str:
+    return href("/run", {"id": run_id, "workspace": workspace})
+
+
+def run_ref(value: str) -> actions.RunRef:
+    """``TENANT/WORKSPACE/RUN``, as a confirmation names a run.
+
+    Raises:
+        BadQuery: When it is not three ids joined by ``/``.
+    """
+    parts = value.split("/")
+    if len(parts) != 3 or not all(ID_PATTERN.fullmatch(part) for part in parts):
+        raise BadQuery(f"run {value!r} is malformed: expected TENANT/WORKSPACE/RUN")
+    return actions.RunRef(WorkspaceKey(parts[0], parts[1]), parts[2])
+
+
+def reason_of(form: FormData, *, default: str | None) -> str:
+    """A cancel's or skip's reason; a skip must give one, as ``relayr runs skip`` must.
+
+    Raises:
+        BadQuery: When it is missing without a default, or too long.
+    """
+    reason = text(form, "reason").strip() or default
+    if reason is None:
+        raise BadQuery("reason is required: say why the run will not run")
+    if len(reason) > MAX_REASON_CHARS:
+        raise BadQuery(f"reason is longer than {MAX_REASON_CHARS} characters")
+    return reason
+
+
+def next_path(value: str | None) -> str:
+    """Where to go after logging in: a path of this console only, never another site."""
+    if not value or not value.startswith("/") or value.startswith("//") or "\\" in value:
+        return "/runs"
+    return value
+
+
+def client(request: Request) -> str:
+    """Who sent the request, for the log: its address and port."""
+    if request.client is None:
+        return "-"
+    return f"{request.client.host}:{request.client.port}"

@@ -1,0 +1,147 @@
+"""Who may do what in the console: anyone who reaches it reads; only holders of the token act.
+
+The decisions (ADR-0070), each enforced here and nowhere else:
+
+- **Reading needs nothing; acting needs the token.** Without ``RELAYR_CONSOLE_TOKEN`` the console
+  is read-only: it offers no action, and refuses every POST (403). With it, a person logs in
+  once with the token (a form, compared in constant time) and gets a signed session cookie
+  (HttpOnly, SameSite=Strict, :data:`SESSION_MAX_AGE_S`); the cookie's signing key is derived
+  from the token, so changing the token logs everyone out, and every replica of the console
+  accepts the others' cookies.
+- **Every change is a POST that carries the session's CSRF token** (a random value kept in the
+  signed session, sent back as a hidden form field, compared in constant time); a POST whose
+  ``Origin`` is another site's, or that a browser marks ``Sec-Fetch-Site: cross-site``, is
+  refused before its form is read. The login form carries one too, so another site cannot log
+  a browser in.
+- **Loopback, unless told otherwise**: bound to a loopback address, the console answers only
+  requests whose ``Host`` is a loopback name, so a page on another site cannot read it through
+  a DNS name that points at 127.0.0.1 (DNS rebinding).
+- **Nothing stored is trusted**: templates escape everything (Jinja2's autoescape), and every
+  response forbids scripts, frames and foreign resources (:data:`SECURITY_HEADERS`), so a
+  ``<script>`` in a message, a rule name or an error is shown as text and never runs.
+"""
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Iterable
+from typing import Final
+from urllib.parse import urlsplit
+
+from starlette.datastructures import Headers
+from starlette.requests import HTTPConnection
+from starlette.responses import PlainTextResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+SESSION_COOKIE: Final = "relayr_console"
+"""The session cookie's name: one of its own, so another app on the same host keeps its own."""
+
+SESSION_MAX_AGE_S: Final = 8 * 60 * 60
+"""How long a login lasts: an on-call shift. A stolen cookie is good for at most this long, or
+until the token changes."""
+
+SESSION_KEY_LABEL: Final = b"relayr console session v1"
+"""What the session's signing key is derived from, with the token: the key is never the token
+itself, so a leaked signing key (it never leaves the process) would not let anyone log in."""
+
+CSRF_FIELD: Final = "csrf"
+"""The hidden form field that carries the session's CSRF token."""
+
+CSRF_BYTES: Final = 32
+"""Random bytes in a CSRF token: not guessable by a page on another site."""
+
+LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
+"""The ``Host`` names a console bound to loopback answers to."""
+
+SECURITY_HEADERS: Final = (
+    (
+        b"content-security-policy",
+        b"default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+        b"frame-ancestors 'none'; base-uri 'none'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-store"),
+)
+"""Sent with every response. The policy allows the console's own stylesheet and nothing else:
+no script at all (the console has none), so even markup that escaped the templates could not
+run; no frames (clickjacking of the action buttons); no caching of pages that show runs."""
+
+
+def session_secret(token: str) -> str:
+    """The key that signs session cookies: derived from the console's token (HMAC-SHA256)."""
+    return hmac.new(token.encode(), SESSION_KEY_LABEL, hashlib.sha256).hexdigest()
+
+
+def new_csrf_token() -> str:
+    """A fresh CSRF token for a session."""
+    return secrets.token_urlsafe(CSRF_BYTES)
+
+
+def same_secret(given: str | None, expected: str | None) -> bool:
+    """Whether ``given`` is ``expected``, compared in constant time; never when either is
+    missing or empty."""
+    if not given or not expected:
+        return False
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def host_name(host_header: str) -> str | None:
+    """The name in a ``Host`` header (``[::1]:8787`` is ``::1``), lower case; None if malformed."""
+    try:
+        name = urlsplit(f"//{host_header}").hostname
+    except ValueError:
+        return None
+    return name.lower() if name else None
+
+
+def cross_site(connection: HTTPConnection) -> str | None:
+    """Why a request comes from another site, or None when nothing says it does.
+
+    A browser names where a request comes from in ``Origin`` (every POST) and in
+    ``Sec-Fetch-Site``; a script that is not a browser sends neither, and is stopped by the
+    session and CSRF checks instead.
+    """
+    headers = connection.headers
+    if headers.get("sec-fetch-site") == "cross-site":
+        return "the browser says the request comes from another site"
+    origin = headers.get("origin")
+    if origin is None:
+        return None
+    if origin == "null" or urlsplit(origin).netloc.lower() != headers.get("host", "").lower():
+        return f"origin {origin!r} is not this console"
+    return None
+
+
+class SecurityHeaders:
+    """ASGI middleware: :data:`SECURITY_HEADERS` on every response, and, when the console is
+    bound to loopback, a 400 for any ``Host`` that is not a loopback name."""
+
+    def __init__(self, app: ASGIApp, *, allowed_hosts: Iterable[str] | None) -> None:
+        self.app = app
+        self.allowed_hosts = None if allowed_hosts is None else frozenset(allowed_hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                names = {name for name, _ in message.get("headers", [])}
+                extra = [header for header in SECURITY_HEADERS if header[0] not in names]
+                message["headers"] = [*message.get("headers", []), *extra]
+            await send(message)
+
+        if self.allowed_hosts is not None:
+            name = host_name(Headers(scope=scope).get("host", ""))
+            if name not in self.allowed_hosts:
+                refused = PlainTextResponse(
+                    "this console answers only on a loopback address (localhost, 127.0.0.1, "
+                    "[::1]): start it with --host to serve other names\n",
+                    status_code=400,
+                )
+                await refused(scope, receive, with_headers)
+                return
+        await self.app(scope, receive, with_headers)
