@@ -43,6 +43,16 @@ DEFAULT_HOME = Path(".relayr")
 DEFAULT_APP = "rules.example:create_app"
 DEFAULT_ALLOWLIST = Path("rules/allowlist.toml")
 DEFAULT_QUEUE = "relayr.runs"
+DEFAULT_OTLP_ENDPOINT = "http://localhost:4318"
+"""Where traces and metrics go when RELAYR_OTEL=1 names no endpoint: an OpenTelemetry
+collector's OTLP/HTTP port on this host, OpenTelemetry's own default."""
+
+STANDARD_VARIABLES: Final = {
+    "otel_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "otel_service_name": "OTEL_SERVICE_NAME",
+}
+"""Settings read from OpenTelemetry's standard variables rather than a ``RELAYR_*`` one, by
+field: the names every OpenTelemetry deployment already sets (ADR-0080)."""
 
 DATABASE_SCHEMES = ("sqlite+aiosqlite://", "postgresql+asyncpg://", "memory://")
 """The databases relayr can use. ``memory://`` keeps everything in this process: for tests and
@@ -77,6 +87,14 @@ def _queue(value: str) -> str:
     if not value:
         raise PydanticCustomError("unnamed", "a queue needs a name")
     return value
+
+
+def _endpoint(value: str) -> str:
+    if value and not value.startswith(("http://", "https://")):
+        raise PydanticCustomError(
+            "unusable", "use an http:// or https:// URL: OTLP over HTTP, such as port 4318"
+        )
+    return value.rstrip("/")
 
 
 CONSOLE_TOKEN_MIN_CHARS: Final = 16
@@ -124,6 +142,12 @@ class Settings(BaseSettings):
         requeue_after_s: How long a run the dispatcher enqueued may stay due before it is
             enqueued again, as a message the broker lost. Make it longer than a message
             usually waits in the queue: a duplicate is harmless but costs a claim.
+        otel: Whether the process exports traces and metrics over OTLP (``RELAYR_OTEL``);
+            unset, it does when ``OTEL_EXPORTER_OTLP_ENDPOINT`` names an endpoint (ADR-0080).
+        otel_endpoint: The OTLP/HTTP endpoint (``OTEL_EXPORTER_OTLP_ENDPOINT``); traces go to
+            ``<endpoint>/v1/traces``, metrics to ``<endpoint>/v1/metrics``.
+        otel_service_name: The resource's ``service.name`` (``OTEL_SERVICE_NAME``) instead of
+            the process's role (``relayr-worker``, ``relayr-dispatcher``, ``relayr-cli``).
         console_token: What ``relayr console`` asks before it lets someone act on runs
             (``RELAYR_CONSOLE_TOKEN``); without it the console only reads (ADR-0070).
     """
@@ -145,6 +169,9 @@ class Settings(BaseSettings):
     turn_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 30.0
     dispatch_interval_s: _Seconds = 1.0
     requeue_after_s: _Seconds = 60.0
+    otel: bool | None = None
+    otel_endpoint: Annotated[str, AfterValidator(_endpoint)] = ""
+    otel_service_name: str = ""
     console_token: Annotated[SecretStr, AfterValidator(_console_token)] | None = None
 
     @classmethod
@@ -162,7 +189,8 @@ class Settings(BaseSettings):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Self:
-        """Read the ``RELAYR_*`` variables; unset or empty ones take their defaults.
+        """Read the ``RELAYR_*`` variables, and OpenTelemetry's standard ones
+        (:data:`STANDARD_VARIABLES`); unset or empty ones take their defaults.
 
         pydantic-settings' own environment source reads them (each field's variable is
         ``RELAYR_`` and its name in upper case), from ``environ`` rather than the process's
@@ -176,9 +204,16 @@ class Settings(BaseSettings):
         source.env_vars = {
             name.lower(): value.strip()
             for name, value in environ.items()
-            if name.startswith(PREFIX) and value.strip()
+            if name.startswith(PREFIX)
+            and value.strip()
+            and name[len(PREFIX) :].lower() not in STANDARD_VARIABLES
         }
-        return cls(**source())
+        standard: dict[str, Any] = {
+            field: environ[variable].strip()
+            for field, variable in STANDARD_VARIABLES.items()
+            if environ.get(variable, "").strip()
+        }
+        return cls(**source(), **standard)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"settings are read once and frozen: {name} cannot change")
@@ -216,6 +251,17 @@ class Settings(BaseSettings):
         return type(self)(**{**self.model_dump(), **values})
 
     @property
+    def tracing(self) -> bool:
+        """Whether this process exports traces and metrics: ``RELAYR_OTEL=1``, or an OTLP
+        endpoint named while ``RELAYR_OTEL`` is unset (``RELAYR_OTEL=0`` turns it off)."""
+        return bool(self.otel_endpoint) if self.otel is None else self.otel
+
+    @property
+    def otlp_endpoint(self) -> str:
+        """Where OTLP goes: the endpoint named, else :data:`DEFAULT_OTLP_ENDPOINT`."""
+        return self.otel_endpoint or DEFAULT_OTLP_ENDPOINT
+
+    @property
     def broker_folder(self) -> Path:
         """Where the embedded (``filesystem://``) broker keeps its messages."""
         return self.home.absolute() / "broker"
@@ -246,6 +292,8 @@ _PROBLEMS: Final = {
     "int_from_float": "expected a whole number",
     "int_type": "expected a whole number",
     "literal_error": "use json or console",
+    "bool_parsing": "use 1 or 0",
+    "bool_type": "use 1 or 0",
 }
 """What a value that does not parse is told, by pydantic's error type."""
 
@@ -253,7 +301,7 @@ _PROBLEMS: Final = {
 def _problem(error: ErrorDetails) -> str:
     """One line naming the variable, its value and what is wrong with it."""
     field = str(error["loc"][0]) if error["loc"] else "settings"
-    variable = PREFIX + field.upper()
+    variable = STANDARD_VARIABLES.get(field, PREFIX + field.upper())
     given, kind = error.get("input"), error["type"]
     if kind == "extra_forbidden":
         return f"{field} is not a setting"

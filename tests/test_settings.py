@@ -94,6 +94,12 @@ def test_other_variables_are_ignored() -> None:
         ("RELAYR_BROKER_URL", "amqp://rabbit", "RELAYR_BROKER_URL='amqp://rabbit' is invalid"),
         ("RELAYR_APP", "rules.example", "RELAYR_APP='rules.example' is invalid"),
         ("RELAYR_APP", ":create_app", "RELAYR_APP=':create_app' is invalid"),
+        ("RELAYR_OTEL", "maybe", "RELAYR_OTEL='maybe' is invalid: use 1 or 0"),
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "collector:4317",
+            "OTEL_EXPORTER_OTLP_ENDPOINT='collector:4317' is invalid: use an http://",
+        ),
     ],
 )
 def test_invalid_values_are_named(variable: str, value: str, message: str) -> None:
@@ -164,3 +170,37 @@ def test_the_embedded_broker_s_options_name_its_folder_in_the_home(tmp_path: Pat
 
 def test_memory_transport_needs_no_options() -> None:
     assert Settings(broker_url="memory://").broker_transport_options() == {}
+
+
+def test_tracing_is_off_by_default() -> None:
+    settings = Settings.from_env({})
+
+    assert not settings.tracing
+    assert settings.otlp_endpoint == "http://localhost:4318"
+
+
+@pytest.mark.parametrize(
+    ("environ", "tracing"),
+    [
+        ({"RELAYR_OTEL": "1"}, True),
+        ({"RELAYR_OTEL": "0"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, True),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "RELAYR_OTEL": "0"}, False),
+        ({"OTEL_SERVICE_NAME": "relayr-eu"}, False),
+    ],
+)
+def test_tracing_is_on_by_relayr_otel_or_an_endpoint(
+    environ: dict[str, str], tracing: bool
+) -> None:
+    assert Settings.from_env(environ).tracing is tracing
+
+
+def test_opentelemetry_s_standard_variables_are_read_by_their_names() -> None:
+    settings = Settings.from_env(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://otel.example:4318/", "OTEL_SERVICE_NAME": "eu"}
+    )
+
+    assert settings.otlp_endpoint == "https://otel.example:4318"
+    assert settings.otel_service_name == "eu"
+    # not under relayr's prefix: one name for one setting
+    assert Settings.from_env({"RELAYR_OTEL_ENDPOINT": "http://elsewhere"}).otel_endpoint == ""

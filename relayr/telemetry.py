@@ -1,0 +1,290 @@
+"""Traces across the queue: relayr's spans, and the trace each continues (ADR-0080).
+
+An event's journey crosses processes: the publish (or the artifactr envelope a follower
+bridges), the dispatcher's evaluation and enqueue, the Celery task in a worker's pool process,
+the run's claim, action and completion with artifactr's commits, and the agent turn a send
+starts. The trace context travels with the work: reflexr stamps each envelope with the
+``traceparent`` of the span that published it, Celery's instrumentation carries it in the
+message's headers, artifactr stamps its envelopes and links a turn to what started it. The
+helpers here decide, where relayr's own work begins, which trace it continues:
+
+- work for one event or one run is a child of that event's trace (:func:`continuing`);
+- work for several runs at once (an evaluation, a message of up to 20 runs, a group commit)
+  is a child of their trace when they share one, and otherwise starts a trace of its own
+  with a link to each (:func:`joining`); the run's own span is then still a child of its
+  event's trace, linked to the message's (ADR-0080 says why: a message is shared, a run is
+  not).
+
+Tracing is off unless the settings turn it on (``RELAYR_OTEL``, ``OTEL_EXPORTER_OTLP_ENDPOINT``):
+:mod:`relayr.otel` configures the SDK and calls :func:`enable`. Off, every helper returns at
+once without a span or a parsed context: the hot path pays a flag's test. This module uses
+OpenTelemetry's API only (which both libraries import anyway); :mod:`relayr.otel` is the one
+module that imports the SDK (an import-linter contract).
+
+Attributes carry ids, names, counts and outcomes, never content: no message text, no event
+data. Names of reflexr's concepts are reflexr's own (``reflexr.run.id``, ``reflexr.rule``), so
+a search finds relayr's spans beside reflexr's; artifactr's are artifactr's.
+"""
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Coroutine, Iterable, Iterator, MutableMapping
+from typing import Any, Final
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    Link,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Tracer,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
+
+SCOPE: Final = "relayr"
+"""The instrumentation scope of relayr's spans."""
+
+# ─── attribute names: reflexr's where the concept is reflexr's, artifactr's where artifactr's ──
+
+TENANT_ID: Final = "reflexr.tenant.id"
+WORKSPACE_ID: Final = "reflexr.workspace.id"
+RULE: Final = "reflexr.rule"
+RUN_ID: Final = "reflexr.run.id"
+ATTEMPT: Final = "reflexr.attempt"
+EPOCH: Final = "reflexr.run.epoch"
+RUN_STATUS: Final = "reflexr.run.status"
+RUN_REASON: Final = "reflexr.run.reason"
+EVENT_ID: Final = "reflexr.event.id"
+EVENT_SEQ: Final = "reflexr.event.seq"
+EVENT_TYPE: Final = "reflexr.event.type"
+THREAD_ID: Final = "artifactr.thread.id"
+TURN_ID: Final = "artifactr.run.id"
+"""The agent turn: artifactr's run id."""
+OUTCOME: Final = "relayr.outcome"
+"""What executing a run did (``succeeded``, ``contended``, ...), or how a write or turn ended."""
+MESSAGE_ID: Final = "relayr.message.id"
+"""The id of the artifactr message a run posted (a notice) or sent (a message)."""
+EMISSION_KIND: Final = "relayr.emission.kind"
+POLICY: Final = "relayr.emission.policy"
+RUNS: Final = "relayr.runs"
+"""How many runs a message, claim or group commit carries."""
+RUN_IDS: Final = "relayr.run.ids"
+TASK_ID: Final = "relayr.task.id"
+"""The Celery task id, which is the broker message's id."""
+FIRINGS: Final = "relayr.firings"
+ENVELOPES: Final = "relayr.envelopes"
+DEPTH: Final = "relayr.chain.depth"
+
+MAX_LINKS: Final = 32
+"""How many traces a span joining several links to at most: a burst evaluated at once may hold
+hundreds of events, each its own trace; the first ones show the shape, and each run's own span
+still continues its event's trace."""
+
+REMEMBERED_FIRINGS: Final = 10_000
+"""How many runs' trace contexts the dispatcher keeps between the evaluation that fired them and
+the pass that enqueues them. A run forgotten (a backlog deeper than this) is still traced in
+the worker, as a child of its event's envelope; only the dispatcher's enqueue span loses it."""
+
+_W3C: Final = TraceContextTextMapPropagator()
+
+_OFF: Final = contextlib.nullcontext(INVALID_SPAN)
+"""What a span helper returns while tracing is off: a context manager that yields a span whose
+methods do nothing."""
+
+
+class _State:
+    tracer: Tracer | None = None
+
+
+_state = _State()
+
+
+def enable() -> None:
+    """Turn relayr's spans on in this process, once its providers are configured
+    (:func:`relayr.otel.configure` calls it)."""
+    _state.tracer = trace.get_tracer(SCOPE)
+
+
+def disable() -> None:
+    """Turn relayr's spans off again (tests that enabled them in their own process)."""
+    _state.tracer = None
+
+
+def tracing() -> bool:
+    """Whether relayr's spans are on in this process."""
+    return _state.tracer is not None
+
+
+def span(
+    name: str,
+    attributes: dict[str, AttributeValue] | None = None,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+) -> contextlib.AbstractContextManager[Span]:
+    """A span of relayr's, current in the block, a child of the current span; while tracing
+    is off, nothing (a span whose methods do nothing)."""
+    tracer = _state.tracer
+    if tracer is None:
+        return _OFF
+    return tracer.start_as_current_span(name, attributes=attributes, kind=kind)
+
+
+def joined_span(
+    name: str,
+    contexts: Iterable[SpanContext | None],
+    attributes: dict[str, AttributeValue] | None = None,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+) -> contextlib.AbstractContextManager[Span]:
+    """A span, current in the block, for work on behalf of what ``contexts`` name: a child of
+    their trace when they share one, else the root of a trace of its own linked to each
+    (:func:`joining`); with no context, a child of the current span."""
+    tracer = _state.tracer
+    if tracer is None:
+        return _OFF
+    parent, links = joining(contexts)
+    return tracer.start_as_current_span(
+        name, context=parent, kind=kind, attributes=attributes, links=links
+    )
+
+
+def start_span(
+    name: str,
+    continued: SpanContext | None,
+    attributes: dict[str, AttributeValue] | None = None,
+) -> Span | None:
+    """Start (and leave to the caller to end) a span for one event's or one run's work: a
+    child of the current span when that is in ``continued``'s trace, else a child of
+    ``continued`` linked to the current span (:func:`continuing`). None while tracing is off."""
+    tracer = _state.tracer
+    if tracer is None:
+        return None
+    parent, links = continuing(continued)
+    return tracer.start_span(name, context=parent, attributes=attributes, links=links)
+
+
+def joining(
+    contexts: Iterable[SpanContext | None],
+) -> tuple[otel_context.Context | None, list[Link]]:
+    """Where a span for several pieces of work begins: ``(parent, links)``.
+
+    With no valid context, nothing is decided (None: the current context is the parent). When
+    every context is in one trace, the first is the parent. Otherwise the span starts a trace
+    of its own (an empty context), linked to the first :data:`MAX_LINKS` traces.
+    """
+    valid = [found for found in contexts if found is not None and found.is_valid]
+    if not valid:
+        return None, []
+    if all(found.trace_id == valid[0].trace_id for found in valid):
+        return _parent(valid[0]), []
+    seen: dict[int, SpanContext] = {}
+    for found in valid:
+        seen.setdefault(found.trace_id, found)
+    return otel_context.Context(), [Link(found) for found in list(seen.values())[:MAX_LINKS]]
+
+
+def continuing(continued: SpanContext | None) -> tuple[otel_context.Context | None, list[Link]]:
+    """Where a span for one event's or one run's work begins: ``(parent, links)``.
+
+    The current span when it is in ``continued``'s trace (or nothing is continued); else
+    ``continued`` itself, with a link to the current span (the shared work it was done in).
+    """
+    current = trace.get_current_span().get_span_context()
+    if continued is None or not continued.is_valid:
+        return None, []
+    if current.is_valid and current.trace_id == continued.trace_id:
+        return None, []
+    return _parent(continued), [Link(current)] if current.is_valid else []
+
+
+def _parent(found: SpanContext) -> otel_context.Context:
+    return trace.set_span_in_context(NonRecordingSpan(found), otel_context.Context())
+
+
+@contextlib.contextmanager
+def using(span: Span | None) -> Iterator[None]:
+    """Make ``span`` current in the block (without ending it); nothing for None."""
+    if span is None:
+        yield
+        return
+    with trace.use_span(span, end_on_exit=False):
+        yield
+
+
+async def within[T](span: Span | None, work: Coroutine[Any, Any, T]) -> T:
+    """Await ``work`` with ``span`` current (for a task started on its behalf)."""
+    with using(span):
+        return await work
+
+
+def end(span: Span | None, attributes: dict[str, AttributeValue] | None = None) -> None:
+    """Set ``attributes`` on ``span`` and end it; nothing for None."""
+    if span is None:
+        return
+    if attributes:
+        span.set_attributes(attributes)
+    span.end()
+
+
+def parse_traceparent(traceparent: str | None) -> SpanContext | None:
+    """The span context a W3C ``traceparent`` names (an envelope's), or None; None while
+    tracing is off, so the hot path parses nothing."""
+    if traceparent is None or _state.tracer is None:
+        return None
+    found = trace.get_current_span(_W3C.extract({"traceparent": traceparent})).get_span_context()
+    return found if found.is_valid else None
+
+
+def current_traceparent() -> str | None:
+    """The W3C ``traceparent`` of the current span, for an envelope relayr appends itself;
+    None while tracing is off."""
+    if _state.tracer is None:
+        return None
+    carrier: dict[str, str] = {}
+    _W3C.inject(carrier)
+    return carrier.get("traceparent")
+
+
+def current_context() -> SpanContext | None:
+    """The current span's context, if tracing is on and there is a valid one."""
+    if _state.tracer is None:
+        return None
+    found = trace.get_current_span().get_span_context()
+    return found if found.is_valid else None
+
+
+class FiringTraces:
+    """The trace context each run fired in, from the evaluation that fired it to the pass
+    that enqueues it, in one dispatcher process; bounded (:data:`REMEMBERED_FIRINGS`)."""
+
+    def __init__(self, limit: int = REMEMBERED_FIRINGS) -> None:
+        self._limit = limit
+        self._contexts: MutableMapping[str, SpanContext] = OrderedDict()
+
+    def fired(self, run_id: str, found: SpanContext | None) -> None:
+        if found is None:
+            return
+        self._contexts[run_id] = found
+        while len(self._contexts) > self._limit:
+            self._contexts.pop(next(iter(self._contexts)))
+
+    def take(self, run_id: str) -> SpanContext | None:
+        return self._contexts.pop(run_id, None)
+
+
+firings: Final = FiringTraces()
+"""This process's :class:`FiringTraces` (the dispatcher's)."""
+
+
+def add_trace_ids(_: object, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    """A structlog processor: the current span's ``trace_id`` and ``span_id``, so a log line
+    and its trace join (in hex, as trace viewers show and search them)."""
+    found = trace.get_current_span().get_span_context()
+    if found.is_valid:
+        event.setdefault("trace_id", format(found.trace_id, "032x"))
+        event.setdefault("span_id", format(found.span_id, "016x"))
+    return event
