@@ -9,6 +9,9 @@ logging, so Celery's own lines and relayr's come out in the same format, on stde
 
 Loggers are never cached on first use: ``structlog.testing.capture_logs`` then sees every line,
 so tests check what is logged without mocks.
+
+With tracing on (``traced``), every line also carries the current span's ``trace_id`` and
+``span_id``, so a log line finds its trace and a trace its lines (ADR-0080).
 """
 
 import logging
@@ -35,6 +38,7 @@ def configure_logging(
     *,
     level: int | str = logging.INFO,
     stream: TextIO | None = None,
+    traced: bool = False,
 ) -> None:
     """Send structlog's and the standard library's logs to ``stream`` (stderr) in one format.
 
@@ -45,6 +49,7 @@ def configure_logging(
         format: ``json`` (one object per line) or ``console``.
         level: The lowest level written.
         stream: Where lines go; stderr when None.
+        traced: Whether lines carry the current span's ``trace_id`` and ``span_id``.
     """
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -52,6 +57,10 @@ def configure_logging(
         structlog.stdlib.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    if traced:
+        from relayr.telemetry import add_trace_ids  # OpenTelemetry's API: only when traced
+
+        shared.append(add_trace_ids)
     renderer: Processor
     if format == "json":
         renderer = structlog.processors.JSONRenderer(sort_keys=False)

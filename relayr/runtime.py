@@ -30,7 +30,7 @@ from typing import Literal, Self
 
 import structlog
 from artifactr import SystemActor as ArtifactSystemActor
-from artifactr.agent import RunHandle, Runner
+from artifactr.agent import RunHandle, Runner, TurnContext
 
 from relayr.allowlist_file import AllowlistFile
 from relayr.application import Application, load_application
@@ -124,7 +124,11 @@ class Runtime:
             runner = (
                 None
                 if application.agent is None
-                else Runner(application.agent, app=application.app_deps)
+                else Runner(
+                    application.agent,
+                    app=application.app_deps,
+                    turn_context=_traced_turns(settings, ledger),
+                )
             )
         except BaseException:
             await application.aclose()
@@ -244,6 +248,16 @@ class Runtime:
                 return len(turns.running())
             for thread in threads:
                 turns.started(runner.running(thread))
+
+
+def _traced_turns(settings: Settings, ledger: Ledger) -> TurnContext | None:
+    """With tracing on, a span in the sending run's trace that follows each turn to its end
+    (:func:`relayr.otel.turn_context`, ADR-0080); else nothing, at no cost per turn."""
+    if not settings.tracing:
+        return None
+    from relayr.otel import turn_context  # the SDK: only when tracing is on
+
+    return turn_context(ledger)
 
 
 async def _open_ledger(application: Application) -> Ledger:

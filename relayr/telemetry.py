@@ -28,8 +28,9 @@ a search finds relayr's spans beside reflexr's; artifactr's are artifactr's.
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable, Iterator, MutableMapping
-from typing import Any, Final
+from collections.abc import Coroutine, Iterable, Iterator, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -280,7 +281,139 @@ firings: Final = FiringTraces()
 """This process's :class:`FiringTraces` (the dispatcher's)."""
 
 
-def add_trace_ids(_: object, __: str, event: dict[str, Any]) -> dict[str, Any]:
+class _Envelope(Protocol):
+    """What relayr reads of a reflexr or artifactr envelope to continue its trace."""
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def traceparent(self) -> str | None: ...
+
+
+class _Run(Protocol):
+    """What relayr reads of a reflexr run to trace it."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def fired_seq(self) -> int: ...
+
+    @property
+    def attempts(self) -> int: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+
+def _workspace(tenant_id: str, workspace_id: str) -> dict[str, AttributeValue]:
+    return {TENANT_ID: tenant_id, WORKSPACE_ID: workspace_id}
+
+
+@dataclass
+class Evaluation:
+    """What an evaluation's span lends the facts and runs it makes.
+
+    Attributes:
+        traceparent: The evaluation span's, for the facts it appends (None: untraced).
+    """
+
+    traceparent: str | None = None
+    own: SpanContext | None = None
+    events: dict[int, SpanContext] = field(default_factory=dict)
+    count: int = 0
+
+    def fired(self, runs: Iterable[_Run]) -> None:
+        """Remember the trace each run continues until the dispatcher enqueues it: the
+        evaluation's when that is its event's trace, else its event's (:data:`firings`)."""
+        if self.own is None:
+            return
+        for run in runs:
+            self.count += 1
+            event = self.events.get(run.fired_seq)
+            own = event is None or event.trace_id == self.own.trace_id
+            firings.fired(run.id, self.own if own else event)
+
+
+_UNTRACED: Final = Evaluation()
+
+
+@contextlib.contextmanager
+def evaluating(
+    tenant_id: str, workspace_id: str, envelopes: Sequence[_Envelope]
+) -> Iterator[Evaluation]:
+    """A ``relayr.evaluate`` span over the envelopes one evaluation reads: a child of their
+    trace when they share one (one event published), else a trace of its own linked to theirs
+    (:func:`joining`)."""
+    if _state.tracer is None:
+        yield _UNTRACED
+        return
+    events = {
+        envelope.seq: found
+        for envelope in envelopes
+        if (found := parse_traceparent(envelope.traceparent)) is not None
+    }
+    attributes = {**_workspace(tenant_id, workspace_id), ENVELOPES: len(envelopes)}
+    with joined_span("relayr.evaluate", events.values(), attributes) as span:
+        evaluation = Evaluation(current_traceparent(), current_context(), events)
+        yield evaluation
+        span.set_attribute(FIRINGS, evaluation.count)
+
+
+def enqueuing(
+    tenant_id: str, workspace_id: str, run_ids: Sequence[str]
+) -> contextlib.AbstractContextManager[Span]:
+    """A ``relayr.enqueue`` span around sending one message: in its runs' trace when they
+    share one, else a trace of its own linked to each (Celery's producer span is its child,
+    and the message's headers carry it)."""
+    if _state.tracer is None:
+        return _OFF
+    attributes = {
+        **_workspace(tenant_id, workspace_id),
+        RUNS: len(run_ids),
+        RUN_IDS: list(run_ids),
+    }
+    contexts = [firings.take(run_id) for run_id in run_ids]
+    return joined_span("relayr.enqueue", contexts, attributes, kind=SpanKind.PRODUCER)
+
+
+def run_span(
+    tenant_id: str, workspace_id: str, run: _Run, rule: str, events: Sequence[_Envelope]
+) -> Span | None:
+    """Start the span of one run's attempt, ``relayr.run <rule>``: a child of the message's
+    span when the message is in the trace of the event that fired the run, else a child of
+    that event's span (the envelope's ``traceparent``) linked to the message's (ADR-0080)."""
+    if _state.tracer is None:
+        return None
+    fired = next((e for e in events if e.seq == run.fired_seq), events[-1] if events else None)
+    attributes = {
+        **_workspace(tenant_id, workspace_id),
+        RULE: rule,
+        RUN_ID: run.id,
+        ATTEMPT: run.attempts,
+        EPOCH: run.epoch,
+    }
+    continued = None if fired is None else parse_traceparent(fired.traceparent)
+    return start_span(f"relayr.run {rule}", continued, attributes)
+
+
+def traced[T](span: Span | None, work: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
+    """``work`` to run with ``span`` current (a task started on its behalf); ``work`` itself
+    for None, so an untraced task costs nothing more."""
+    return work if span is None else within(span, work)
+
+
+def annotate(attributes: dict[str, AttributeValue | None]) -> None:
+    """Set ``attributes`` (those not None) on the current span, while tracing is on."""
+    if _state.tracer is None:
+        return
+    trace.get_current_span().set_attributes(
+        {name: value for name, value in attributes.items() if value is not None}
+    )
+
+
+def add_trace_ids(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """A structlog processor: the current span's ``trace_id`` and ``span_id``, so a log line
     and its trace join (in hex, as trace viewers show and search them)."""
     found = trace.get_current_span().get_span_context()

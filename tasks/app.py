@@ -26,6 +26,8 @@ that delivering again could make:
   the broker redelivers unacknowledged messages; the local copies are stopped rather than run
   twice (reflexr's lease would refuse the second claim anyway).
 - A soft shutdown window, so a cold shutdown first gives running tasks time to finish.
+- With tracing on, OpenTelemetry's Celery instrumentation: each message carries its trace
+  context in its headers, so a run's spans in the worker continue the dispatcher's (ADR-0080).
 
 ``celery -A tasks.app worker`` finds :data:`app`, built lazily from the environment's settings;
 ``relayr worker`` builds it from settings it has already read, with :func:`create_celery`.
@@ -131,6 +133,10 @@ def create_celery(settings: Settings) -> Celery:
     # liveness for `relayr health --liveness`: the main process beats while its pool is busy
     app.steps["worker"].add(heartbeat_step(heartbeat_path(settings.home, "worker")))
     process.configure(settings)
+    if settings.tracing:
+        from relayr.otel import instrument_celery  # the SDK: only when tracing is on
+
+        instrument_celery()
     _current = app
     return app
 

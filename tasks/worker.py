@@ -18,6 +18,12 @@ to that loop (``run_coroutine_threadsafe``) and waits for the result:
 The runtime is started in the background when the process starts, so a slow start (migrations,
 ``Runner.recover``) does not trip Celery's ``worker_proc_alive_timeout``; the first task waits
 for it. A start that failed is tried again by the next task. See ADR-0010.
+
+With tracing on, the main process configures its OpenTelemetry providers lazily (it records
+nothing a pool process could inherit) and each pool process its own, after the fork, before its
+runtime starts; a pool process that stops exports what it holds (ADR-0080). The trace context
+crosses to the loop's thread with the task's coroutine (``run_coroutine_threadsafe`` copies the
+caller's context, as it does structlog's).
 """
 
 import asyncio
@@ -205,25 +211,53 @@ class _RefusedTaskFilter(logging.Filter):
 
 def _setup_logging(loglevel: int | str | None = None, **_: object) -> None:
     """Take over Celery's logging setup, so the worker logs through structlog."""
-    log_format = process.settings.log_format if process.settings is not None else "console"
-    configure_logging(log_format, level=loglevel or "INFO")
+    settings = process.settings
+    log_format = settings.log_format if settings is not None else "console"
+    traced = settings is not None and settings.tracing
+    configure_logging(log_format, level=loglevel or "INFO", traced=traced)
     logging.getLogger("celery.app.trace").addFilter(_RefusedTaskFilter())
 
 
+def _traced(*, lazy: bool) -> None:
+    """Configure this process's OpenTelemetry providers, when the settings turn tracing on."""
+    settings = process.settings
+    if settings is not None and settings.tracing:
+        from relayr.otel import configure  # the SDK: only when tracing is on
+
+        configure(settings, "worker", lazy=lazy)
+
+
+def _flush() -> None:
+    settings = process.settings
+    if settings is not None and settings.tracing:
+        from relayr.otel import flush
+
+        flush()
+
+
+def _worker_init(**_: object) -> None:
+    # the main process: lazily, so a pool process forked from it inherits no exporter
+    _traced(lazy=True)
+
+
 def _process_init(**_: object) -> None:
+    _traced(lazy=False)
     process.start()
 
 
 def _process_shutdown(**_: object) -> None:
     process.stop()
+    _flush()
 
 
 def _worker_shutdown(**_: object) -> None:
     # the solo and threads pools run tasks in the main process: its loop stops here
     process.stop()
+    _flush()
 
 
 signals.setup_logging.connect(_setup_logging, weak=False)
+signals.worker_init.connect(_worker_init, weak=False)
 signals.worker_process_init.connect(_process_init, weak=False)
 signals.worker_process_shutdown.connect(_process_shutdown, weak=False)
 signals.worker_shutdown.connect(_worker_shutdown, weak=False)

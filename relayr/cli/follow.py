@@ -59,7 +59,7 @@ def follow(ctx: click.Context, once: bool, as_json: bool) -> None:
         return
     if as_json and not once:
         raise click.UsageError("--json goes with --once")
-    settings = load_settings(log_level="WARNING" if once else "INFO")
+    settings = load_settings(log_level="WARNING" if once else "INFO", role="dispatcher")
 
     async def work(runtime: "Runtime") -> dict[str, int] | None:
         import asyncio

@@ -63,7 +63,7 @@ def health(
     """
     if liveness and role is None:
         raise click.UsageError("--liveness checks a heartbeat: give --worker or --dispatcher")
-    settings = load_settings(log_level=None)
+    settings = load_settings(log_level=None, role=None)  # a probe: never traced
     from relayr.health import check_health
 
     given: dict[str, Any] = {"timeout_s": timeout_s, "max_age_s": max_age_s}

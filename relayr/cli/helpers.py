@@ -6,7 +6,8 @@ One place for each, so every command answers the same way:
   settings, an allowlist or application that cannot be loaded, a thread or run that does not
   exist) ends a command with one line on stderr, ``Error: ...`` naming what is wrong, and exit
   code 2, before anything is written: :class:`BadInput`.
-- **Settings**: :func:`load_settings` reads them once; invalid ones are bad input.
+- **Settings**: :func:`load_settings` reads them once; invalid ones are bad input. With
+  tracing on, it configures this process's OpenTelemetry providers for its role (ADR-0080).
 - **Ids**: :func:`parse_workspace` and :func:`parse_id`, one set of rules for what a tenant,
   workspace, thread, run or event id typed on the command line may look like.
 - **JSON**: :func:`echo_json`, one object or list per line on stdout.
@@ -107,12 +108,15 @@ def parse_id(kind: str, value: str) -> str:
     return value
 
 
-def load_settings(*, log_level: str | None = "WARNING") -> "Settings":
+def load_settings(
+    *, log_level: str | None = "WARNING", role: "Role | None" = "cli"
+) -> "Settings":
     """Read the settings once; invalid ones stop the command as bad input.
 
     With ``log_level``, logs go to stderr at that level and above, in the settings' format, so
     stdout carries only what the command prints. None leaves logging as it is (a worker's
-    is Celery's).
+    is Celery's). When the settings turn tracing on, the process's providers are configured for
+    ``role`` (None: a worker's, which Celery's signals configure, :mod:`tasks.worker`).
     """
     try:
         from relayr.settings import Settings  # pydantic-settings: not for --help (ADR-0050)
@@ -120,11 +124,29 @@ def load_settings(*, log_level: str | None = "WARNING") -> "Settings":
         settings = Settings.from_env()
     except RelayrError as error:
         raise BadInput(error.message) from None
+    if settings.tracing and role is not None:
+        configure_tracing(settings, role)
     if log_level is not None:
         from relayr.logging import configure_logging
 
-        configure_logging(settings.log_format, level=log_level)
+        configure_logging(settings.log_format, level=log_level, traced=settings.tracing)
     return settings
+
+
+def configure_tracing(settings: "Settings", role: "Role") -> None:
+    """Configure this process's OpenTelemetry providers (:func:`relayr.otel.configure`).
+
+    Raises:
+        BadInput: When tracing is on and the ``otel`` extra is not installed.
+    """
+    try:
+        from relayr.otel import configure  # the SDK: only when tracing is on (ADR-0080)
+    except ImportError as missing:
+        raise BadInput(
+            f"tracing is on (RELAYR_OTEL or OTEL_EXPORTER_OTLP_ENDPOINT) but {missing.name} "
+            "is not installed: pip install 'relayr[otel]'"
+        ) from None
+    configure(settings, role)
 
 
 def echo_json(value: object) -> None:

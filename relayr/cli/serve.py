@@ -83,7 +83,7 @@ def worker(
     concurrency: int, loglevel: str, hostname: str, pool: str, metrics_port: int | None
 ) -> None:
     """Run a Celery worker for relayr's run tasks (the queue is RELAYR_QUEUE)."""
-    settings = load_settings(log_level=None)
+    settings = load_settings(log_level=None, role=None)  # Celery's signals configure tracing
     check_worker_inputs(settings)
     from tasks.app import create_celery
 
@@ -120,7 +120,8 @@ def check_worker_inputs(settings: "Settings") -> None:
 
 
 def worker_input_problem(settings: "Settings") -> str | None:
-    """What keeps a worker from starting (its allowlist or application), or None."""
+    """What keeps a worker from starting (its allowlist, its application, or tracing on
+    without the ``otel`` extra), or None."""
     from relayr.allowlist_file import load_allowlist
     from relayr.application import load_factory
     from relayr.core.errors import RelayrError
@@ -130,6 +131,14 @@ def worker_input_problem(settings: "Settings") -> str | None:
         load_factory(settings.app)
     except RelayrError as error:
         return error.message
+    if settings.tracing:
+        try:
+            import relayr.otel  # noqa: F401  (the SDK: ADR-0080)
+        except ImportError as missing:
+            return (
+                f"tracing is on (RELAYR_OTEL or OTEL_EXPORTER_OTLP_ENDPOINT) but "
+                f"{missing.name} is not installed: pip install 'relayr[otel]'"
+            )
     return None
 
 
@@ -205,7 +214,7 @@ follow_option = click.option(
 @follow_option
 def dispatch(metrics_port: int | None, follow: bool) -> None:
     """Run the dispatcher: evaluate rules, queue due runs for the workers (until Ctrl-C)."""
-    settings = load_settings(log_level="INFO")
+    settings = load_settings(log_level="INFO", role="dispatcher")
 
     async def work(runtime: "Runtime") -> None:
         import asyncio
@@ -274,7 +283,7 @@ def run(
             f"--restart-delay-max {restart_delay_max_s:g} is below --restart-delay "
             f"{restart_delay_s:g}"
         )
-    settings = load_settings(log_level="INFO")
+    settings = load_settings(log_level="INFO", role="dispatcher")
     check_worker_inputs(settings)
     from relayr.cli.processes import RelayrProcess, relayr_command
     from relayr.supervisor import RestartPolicy, WorkerSupervisor, status_path
