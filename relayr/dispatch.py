@@ -44,7 +44,7 @@ import structlog
 from reflexr.core import Run, RunStatus
 from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
-from relayr import broker
+from relayr import broker, telemetry
 from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.core import reasons
 from relayr.evaluation import evaluate_all
@@ -240,7 +240,8 @@ class Dispatcher:
         enqueued = messages = failed = 0
         for batch, runs in _batches(fresh):
             try:
-                await enqueue(batch)
+                with telemetry.enqueuing(batch.tenant_id, batch.workspace_id, batch.run_ids):
+                    await enqueue(batch)
             except Exception:
                 logger.exception("enqueueing runs failed", run_ids=list(batch.run_ids))
                 failed += len(runs)

@@ -16,7 +16,9 @@ a dispatcher that passes every second while workers append to the same log:
   an envelope twice: the lease only spared reflexr's reactor wasted work (ADR-0028).
 
 Firing, state, dead letters and facts are reflexr's own decisions (``reflexr.core.evaluate``),
-saved exactly as the reactor saves them.
+saved exactly as the reactor saves them. With tracing on, an evaluation that reads envelopes is
+a ``relayr.evaluate`` span in their trace, and its facts carry its ``traceparent`` as the
+reactor's do (ADR-0080).
 """
 
 from dataclasses import dataclass
@@ -35,6 +37,8 @@ from reflexr.core import (
     reset,
 )
 from reflexr.workspace import REACTOR, Entry, Transaction, WorkspaceRef, Workspaces
+
+from relayr import telemetry
 
 BATCH_ENVELOPES: Final = 500
 """How many envelopes one transaction reads, as reflexr's reactor's ``batch_size``: the
@@ -71,8 +75,12 @@ async def evaluate_workspace(
             if envelope.seq <= last
         ]
         made: list[Run] = []
-        for rule in enabled:
-            made += await _evaluate(rules, transaction, rule, cursors[rule.name], envelopes)
+        with telemetry.evaluating(ref.tenant_id, ref.workspace_id, envelopes) as traced:
+            for rule in enabled:
+                made += await _evaluate(
+                    rules, transaction, rule, cursors[rule.name], envelopes, traced.traceparent
+                )
+            traced.fired(made)
         read_to = envelopes[-1].seq if envelopes else last
     return Evaluated(tuple(made), last, read_to >= last)
 
@@ -98,6 +106,7 @@ async def _evaluate(
     rule: Rule,
     progress: RuleProgress,
     envelopes: list[Envelope],
+    traceparent: str | None = None,
 ) -> list[Run]:
     """Fold the envelopes after the rule's cursor into its state; save what it decided, and
     return the runs its firings made."""
@@ -123,6 +132,7 @@ async def _evaluate(
                 event=fact.event,
                 causation=fact.causation,
                 correlation_id=fact.correlation_id,
+                traceparent=traceparent,
             )
             for fact in evaluation.facts
         ]

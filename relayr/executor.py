@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from time import perf_counter
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 from pydantic import BaseModel, JsonValue, TypeAdapter, ValidationError
@@ -44,7 +44,7 @@ from reflexr import AgentActor as RuleAgentActor
 from reflexr.core import Forbidden, InvalidRule, Rule, Run, load_params
 from reflexr.workspace import Action, Reaction, RunFailure, WorkspaceRef, run_lease
 
-from relayr import attempts, metrics
+from relayr import attempts, metrics, telemetry
 from relayr.actions import pending_writes
 from relayr.attempts import (
     Claimed,
@@ -58,6 +58,9 @@ from relayr.core import reasons
 from relayr.ledger.port import LedgerWrites
 from relayr.runtime import Runtime
 from relayr.transient import is_transient, retried
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 __all__ = [
     "SCOPE_BUDGET_RUNS",
@@ -106,7 +109,9 @@ async def execute_runs(
     released, so the attempts are recorded ``abandoned`` by the next claim.
     """
     batch = _Batch(runtime, WorkspaceRef(tenant_id, workspace_id))
-    return await batch.execute(list(dict.fromkeys(run_ids)))
+    attributes = {telemetry.TENANT_ID: tenant_id, telemetry.WORKSPACE_ID: workspace_id}
+    with telemetry.span("relayr.execute_runs", {**attributes, telemetry.RUNS: len(run_ids)}):
+        return await batch.execute(list(dict.fromkeys(run_ids)))
 
 
 async def fail_run(
@@ -179,6 +184,7 @@ class _Batch:
         self.succeeded: set[str] = set()
         self.here: set[tuple[str, str, str]] = set()
         self.budgets: dict[tuple[str, str], _Budget] = {}
+        self.spans: dict[str, Span] = {}
 
     async def execute(self, run_ids: list[str]) -> list[Executed]:
         running: dict[asyncio.Task[Ended], _Running] = {}
@@ -194,6 +200,8 @@ class _Batch:
             await asyncio.gather(*running, return_exceptions=True)
             await self._release(self.held - self.succeeded)
             self.runtime.executing.difference_update(self.here)
+            for span in self.spans.values():  # cancelled with their message: nothing recorded
+                telemetry.end(span, {telemetry.OUTCOME: "interrupted"})
         return [self.results[run_id] for run_id in run_ids] + [
             executed for run_id, executed in self.results.items() if run_id not in run_ids
         ]
@@ -221,9 +229,10 @@ class _Batch:
 
     async def _claim(self, run_ids: list[str]) -> list[Claimed]:
         try:
-            claims = await retried(
-                lambda: attempts.claim(self.rules, self.ref, run_ids, max_lost=self.max_lost)
-            )
+            with telemetry.span("relayr.claim", {telemetry.RUNS: len(run_ids)}):
+                claims = await retried(
+                    lambda: attempts.claim(self.rules, self.ref, run_ids, max_lost=self.max_lost)
+                )
         except NothingThere:
             claims = {run_id: attempts.missing(self.ref, run_id) for run_id in run_ids}
         started: list[Claimed] = []
@@ -236,16 +245,22 @@ class _Batch:
 
     def _start(self, claimed: Claimed, running: dict[asyncio.Task[Ended], _Running]) -> None:
         run, rule = claimed.run, claimed.rule
-        logger.info(
-            "attempt started",
-            run_id=run.id,
-            rule=rule.name,
-            attempt=run.attempts,
-            epoch=run.epoch,
-            action=rule.then.action,
+        span = telemetry.run_span(
+            self.ref.tenant_id, self.ref.workspace_id, run, rule.name, claimed.events
         )
+        if span is not None:
+            self.spans[run.id] = span
+        with telemetry.using(span):
+            logger.info(
+                "attempt started",
+                run_id=run.id,
+                rule=rule.name,
+                attempt=run.attempts,
+                epoch=run.epoch,
+                action=rule.then.action,
+            )
         entry = _Running(claimed, None, perf_counter())
-        task = asyncio.create_task(self._attempt(entry))
+        task = asyncio.create_task(telemetry.traced(span, self._attempt(entry)))
         running[task] = entry
 
     async def _attempt(self, entry: _Running) -> Ended:
@@ -365,7 +380,8 @@ class _Batch:
                     self.rules, self.ref, finished, max_lost=self.max_lost
                 )
 
-        return await retried(step)
+        with telemetry.span("relayr.complete", {telemetry.RUNS: len(finished)}):
+            return await retried(step)
 
     async def _successor(self, claimed: Claimed) -> str | None:
         """The run its scope may go on with after ``claimed``, leased; None if there is none,
@@ -393,6 +409,8 @@ class _Batch:
 
     def _ended(self, run_id: str, executed: Executed, *, seconds: float | None = None) -> None:
         self.results[run_id] = replace(executed, run_id=run_id)
+        if run_id in self.spans:
+            telemetry.run_ended(self.spans.pop(run_id), executed.outcome, executed.run)
         if executed.outcome == "succeeded":
             self.succeeded.add(run_id)
         run = executed.run

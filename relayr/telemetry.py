@@ -398,6 +398,26 @@ def run_span(
     return start_span(f"relayr.run {rule}", continued, attributes)
 
 
+class _Finished(Protocol):
+    """What relayr reads of a run as its attempt ended."""
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def reason(self) -> str | None: ...
+
+
+def run_ended(span: Span, outcome: str, run: _Finished | None) -> None:
+    """End a run's span with what executing it did and the status it left the run in."""
+    attributes: dict[str, AttributeValue] = {OUTCOME: outcome}
+    if run is not None:
+        attributes[RUN_STATUS] = run.status
+        if run.reason is not None:
+            attributes[RUN_REASON] = run.reason
+    end(span, attributes)
+
+
 def traced[T](span: Span | None, work: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
     """``work`` to run with ``span`` current (a task started on its behalf); ``work`` itself
     for None, so an untraced task costs nothing more."""
