@@ -48,7 +48,7 @@ from artifactr.core import (
 )
 from reflexr.workspace import Reaction, RunFailure
 
-from relayr import metrics
+from relayr import metrics, telemetry
 from relayr.bridge import Bridge
 from relayr.core import reasons
 from relayr.core.allowlist import Allowlist
@@ -360,9 +360,18 @@ class RunActions:
             operation="post_message",
             subject=(chosen.thread_id, digest(content)),
         )
-        if chosen.turn:
-            return await self._send(content, chosen.thread_id, message_id)
-        return await self._notice(content, chosen.thread_id, message_id)
+        traced = {
+            telemetry.RULE: self.rule,
+            telemetry.RUN_ID: self._run.id,
+            telemetry.ATTEMPT: self._run.attempts,
+            telemetry.THREAD_ID: chosen.thread_id,
+            telemetry.MESSAGE_ID: message_id,
+        }
+        # a span per write, never its content: what the emission record says, it says
+        with telemetry.span("relayr.send" if chosen.turn else "relayr.notice", traced):
+            if chosen.turn:
+                return await self._send(content, chosen.thread_id, message_id)
+            return await self._notice(content, chosen.thread_id, message_id)
 
     async def _notice(self, content: str, thread: str, message_id: str) -> str:
         command = PostMessage(

@@ -28,7 +28,7 @@ a search finds relayr's spans beside reflexr's; artifactr's are artifactr's.
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Coroutine, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -79,6 +79,8 @@ TASK_ID: Final = "relayr.task.id"
 FIRINGS: Final = "relayr.firings"
 ENVELOPES: Final = "relayr.envelopes"
 DEPTH: Final = "relayr.chain.depth"
+ARTIFACTR_SEQ: Final = "relayr.artifactr.seq"
+"""The seq of an artifactr envelope a follower bridges."""
 
 MAX_LINKS: Final = 32
 """How many traces a span joining several links to at most: a burst evaluated at once may hold
@@ -122,7 +124,7 @@ def tracing() -> bool:
 
 def span(
     name: str,
-    attributes: dict[str, AttributeValue] | None = None,
+    attributes: Mapping[str, Any] | None = None,
     *,
     kind: SpanKind = SpanKind.INTERNAL,
 ) -> contextlib.AbstractContextManager[Span]:
@@ -137,7 +139,7 @@ def span(
 def joined_span(
     name: str,
     contexts: Iterable[SpanContext | None],
-    attributes: dict[str, AttributeValue] | None = None,
+    attributes: Mapping[str, Any] | None = None,
     *,
     kind: SpanKind = SpanKind.INTERNAL,
 ) -> contextlib.AbstractContextManager[Span]:
@@ -156,7 +158,7 @@ def joined_span(
 def start_span(
     name: str,
     continued: SpanContext | None,
-    attributes: dict[str, AttributeValue] | None = None,
+    attributes: Mapping[str, Any] | None = None,
 ) -> Span | None:
     """Start (and leave to the caller to end) a span for one event's or one run's work: a
     child of the current span when that is in ``continued``'s trace, else a child of
@@ -416,6 +418,45 @@ def run_ended(span: Span, outcome: str, run: _Finished | None) -> None:
         if run.reason is not None:
             attributes[RUN_REASON] = run.reason
     end(span, attributes)
+
+
+class _Bridged(Protocol):
+    """What relayr reads of an artifactr envelope it bridges."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def traceparent(self) -> str | None: ...
+
+
+def bridge_span(
+    tenant_id: str, workspace_id: str, envelope: _Bridged, event_type: str
+) -> Span | None:
+    """Start the span of one artifactr envelope a follower bridges, ``relayr.bridge``: a child
+    of the envelope's trace (artifactr stamps the commit's), so the rules it fires continue
+    it. None while tracing is off."""
+    if _state.tracer is None:
+        return None
+    attributes = {
+        **_workspace(tenant_id, workspace_id),
+        EVENT_ID: envelope.id,
+        EVENT_TYPE: event_type,
+        ARTIFACTR_SEQ: envelope.seq,
+    }
+    return start_span("relayr.bridge", parse_traceparent(envelope.traceparent), attributes)
+
+
+def traceparent_of(span: Span | None) -> str | None:
+    """The W3C ``traceparent`` naming ``span``, for the envelope appended on its behalf."""
+    if span is None:
+        return None
+    carrier: dict[str, str] = {}
+    _W3C.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent")
 
 
 def traced[T](span: Span | None, work: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:

@@ -19,7 +19,7 @@ from artifactr.workspace import ThreadBusy
 from reflexr.core import Run
 from reflexr.workspace import RunFailure
 
-from relayr import metrics
+from relayr import metrics, telemetry
 from relayr.bridge import Bridge
 from relayr.core import reasons
 from relayr.core.emissions import EmissionKind, EmissionOutcome, EmissionRecord
@@ -231,8 +231,16 @@ class Writes:
         )
 
     def emitted(self, record: EmissionRecord, *, turn: str | None = None) -> None:
-        """Count and log one emission."""
+        """Count and log one emission, and say what it did on the write's span."""
         metrics.record_emission(record.kind, record.outcome)
+        telemetry.annotate(
+            {
+                telemetry.OUTCOME: record.outcome,
+                telemetry.EMISSION_KIND: record.kind,
+                telemetry.POLICY: record.policy,
+                telemetry.TURN_ID: turn,
+            }
+        )
         self._log.info(
             "emission",
             kind=record.kind,

@@ -42,7 +42,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
-from typing import Final, Self
+from typing import TYPE_CHECKING, Final, Self
 
 import structlog
 from artifactr import SystemActor as ArtifactSystemActor
@@ -56,6 +56,7 @@ from reflexr.workspace import Access, Entry, WorkspaceRef
 from reflexr.workspace import Workspaces as RuleWorkspaces
 from reflexr.workspace.workspace import meet_rules
 
+from relayr import telemetry
 from relayr.application import Application
 from relayr.follow.config import Inbound
 from relayr.follow.events import FOLLOWER
@@ -69,6 +70,9 @@ from relayr.follow.store import (
 )
 from relayr.ledger.port import Cause, Ledger, WorkspaceKey, WriteKind
 from relayr.turns import newest_cause
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 logger = structlog.get_logger("relayr.follow")
 
@@ -201,6 +205,8 @@ class _Prepared:
     entries: list[Entry] = field(default_factory=list)
     dead: list[DeadLetter] = field(default_factory=list)
     skipped: int = 0
+    spans: list["Span"] = field(default_factory=list)
+    """With tracing on, a ``relayr.bridge`` span per entry, ended once the batch is published."""
 
 
 @dataclass
@@ -360,7 +366,11 @@ class Followers:
                 break
             done.read += len(envelopes)
             prepared = await self._prepare(key, handle, envelopes)
-            bridged, duplicates = await self._publish(key, prepared.entries)
+            try:
+                bridged, duplicates = await self._publish(key, prepared.entries)
+            finally:
+                for span in prepared.spans:
+                    telemetry.end(span)
             seqs = [envelope.seq for envelope in envelopes]
             logger.info(
                 "follow batch published",
@@ -581,6 +591,12 @@ class Followers:
                         )
                     )
                     continue
+            # the bridged event continues the envelope's trace, through a span of the follower
+            span = telemetry.bridge_span(
+                key.tenant_id, key.workspace_id, envelope, event.event_type
+            )
+            if span is not None:
+                prepared.spans.append(span)
             prepared.entries.append(
                 Entry(
                     id=envelope.id,
@@ -588,6 +604,7 @@ class Followers:
                     event=event,
                     causation=causation,
                     correlation_id=None if cause is None else cause.correlation_id,
+                    traceparent=telemetry.traceparent_of(span),
                 )
             )
         return prepared
