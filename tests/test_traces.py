@@ -1,0 +1,242 @@
+"""One trace from a publish to the end of the agent turn it caused, across real processes.
+
+Real processes, each configured by the environment alone, as an operator would run them:
+``relayr publish`` (``relayr-cli``), ``relayr dispatch`` (``relayr-dispatcher``) and a
+``celery worker`` (``relayr-worker``: its pool process) on Redis and SQLite, all exporting to an
+OTLP/HTTP receiver this test starts (:mod:`tests.otlp`). One ``incident:opened`` event makes the
+example's ``ops:incident-triage`` send a message, which starts the agent's turn.
+
+The trace of the publish holds the dispatcher's evaluation and enqueue, Celery's producer and
+consumer spans, the executor's claim, run, send and completion, artifactr's commit of the sent
+message inside the run's span, and ``relayr.turn``, which ends when the turn has recorded its
+end, linked to the turn's own trace (ADR-0080). No span anywhere carries what was written: the
+incident's title, the message, the agent's reply. The worker's log lines carry the trace's id.
+
+Every wait is bounded (:data:`WAIT_S`) and none stands for an event: the test polls for what it
+needs (the ``relayr.turn`` span, then the spans of every process) until it is there.
+"""
+
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from relayr.cli.processes import RelayrProcess, relayr_command
+from rules.example.agent import REPLY
+from tests.otlp import ReceivedSpan, Receiver, receiving
+from tests.workers import REPO, relayr_environment, running_worker
+
+pytestmark = [pytest.mark.worker, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(600)]
+
+WAIT_S = 240.0
+"""How long any one wait may take: far above what it needs on a quiet machine (seconds)."""
+
+DISPATCHER_READY = '"runtime started"'
+"""What the dispatcher's JSON log says once it runs (relayr.runtime)."""
+
+TENANT_WORKSPACE = "acme/ops"
+
+
+def until[T](what: str, probe: Callable[[], T | None], *processes: RelayrProcess) -> T:
+    """Poll ``probe`` until it returns something, within :data:`WAIT_S`."""
+    deadline = time.monotonic() + WAIT_S
+    while (found := probe()) is None:
+        for process in processes:
+            assert process.alive(), f"{process.name} died waiting for {what}:\n{process.log()}"
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"== {p.name}\n{p.log()[-6000:]}" for p in processes)
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        time.sleep(0.25)
+    return found
+
+
+def relayr(environment: dict[str, str], *args: str) -> str:
+    """``relayr ARGS`` as a command of its own (a ``relayr-cli`` process); its stdout."""
+    done = subprocess.run(
+        relayr_command(*args),
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@contextmanager
+def dispatcher(environment: dict[str, str], log_dir: Path) -> Iterator[RelayrProcess]:
+    process = RelayrProcess.start(
+        relayr_command("dispatch"),
+        name="dispatcher",
+        environment=environment,
+        cwd=REPO,
+        log_path=log_dir / "dispatcher.log",
+    )
+    try:
+        yield process.ready(DISPATCHER_READY)
+    finally:
+        process.stop()
+
+
+def ancestors(span: ReceivedSpan, by_id: dict[str, ReceivedSpan]) -> Iterator[ReceivedSpan]:
+    while span.parent_id in by_id:
+        span = by_id[span.parent_id]
+        yield span
+
+
+def named(spans: list[ReceivedSpan], name: str) -> list[ReceivedSpan]:
+    return [span for span in spans if span.name == name]
+
+
+def texts(value: object) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from texts(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from texts(item)
+
+
+@pytest.fixture
+def traced(tmp_path: Path, redis_url: str) -> Iterator[tuple[Receiver, dict[str, str]]]:
+    with receiving() as receiver:
+        environment = relayr_environment(tmp_path / "home", broker_url=redis_url, turn_grace_s=5)
+        environment["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+        yield receiver, environment
+
+
+def test_one_trace_from_the_publish_to_the_turn_s_end(
+    traced: tuple[Receiver, dict[str, str]], tmp_path: Path
+) -> None:
+    receiver, environment = traced
+    secret = f"checkout-{uuid.uuid4().hex}"
+    created = relayr(environment, "thread", "create", TENANT_WORKSPACE, "--title", "incident")
+    thread_id = json.loads(created)["id"] if created.startswith("{") else created.strip()
+    with (
+        running_worker(environment, tmp_path, concurrency=1) as worker,
+        dispatcher(environment, tmp_path) as dispatching,
+    ):
+        data = json.dumps({"title": secret, "thread_id": thread_id})
+        published = relayr(
+            environment, "publish", TENANT_WORKSPACE, "incident:opened", "--data", data, "--json"
+        )
+        event_id = json.loads(published)["id"]
+
+        def publish_span() -> ReceivedSpan | None:
+            return next(
+                (
+                    span
+                    for span in receiver.spans()
+                    if span.name.startswith("reflexr.publish")
+                    and span.attributes.get("reflexr.event.id") == event_id
+                ),
+                None,
+            )
+
+        publish = until("the publish's span", publish_span, worker, dispatching)
+        trace_id = publish.trace_id
+
+        def in_trace() -> list[ReceivedSpan]:
+            return [span for span in receiver.spans() if span.trace_id == trace_id]
+
+        def turn_ended() -> ReceivedSpan | None:
+            return next(iter(named(in_trace(), "relayr.turn")), None)
+
+        turn = until("relayr.turn in the publish's trace", turn_ended, worker, dispatching)
+
+        def everything() -> list[ReceivedSpan] | None:
+            # each process exports on its own schedule: wait until each one's part is in
+            spans = in_trace()
+            wanted = {"relayr.evaluate", "relayr.enqueue", "relayr.complete", "relayr.send"}
+            return spans if wanted <= {span.name for span in spans} else None
+
+        spans = until("every process's spans", everything, worker, dispatching)
+        worker_log = worker.log()
+
+    by_id = {span.span_id: span for span in spans}
+    assert publish.service == "relayr-cli"
+    assert publish.parent_id == ""
+
+    # spans from at least three processes: the command, the dispatcher, the worker's pool
+    processes = {span.process for span in spans}
+    assert {service for service, _ in processes} >= {
+        "relayr-cli",
+        "relayr-dispatcher",
+        "relayr-worker",
+    }, processes
+    assert len(processes) >= 3
+
+    # the journey, each step inside the one before it
+    [run] = named(spans, "relayr.run ops:incident-triage")
+    chain = [span.name for span in ancestors(run, by_id)]
+    assert chain[:2] == ["relayr.execute_runs", "run/relayr.execute_runs"], chain
+    assert chain[2:5] == [
+        "apply_async/relayr.execute_runs",
+        "relayr.enqueue",
+        "relayr.evaluate",
+    ], chain
+    assert chain[-1] == publish.name
+    assert run.attributes["reflexr.rule"] == "ops:incident-triage"
+    assert run.attributes["reflexr.attempt"] == 1
+    assert run.attributes["reflexr.tenant.id"] == "acme"
+    assert run.attributes["reflexr.workspace.id"] == "ops"
+    assert run.attributes["relayr.outcome"] == "succeeded"
+    assert {"relayr.claim", "relayr.complete"} <= {
+        span.name for span in spans if span.parent_id == run.parent_id
+    }
+
+    # artifactr's commit of the sent message, inside the run's span
+    [send] = named(spans, "relayr.send")
+    assert run in ancestors(send, by_id)
+    assert send.attributes["relayr.outcome"] == "posted"
+    message_id = send.attributes["relayr.message.id"]
+    commits = [
+        span
+        for span in named(spans, "artifactr.commit post_message")
+        if send in ancestors(span, by_id)
+    ]
+    assert len(commits) == 1, [span.name for span in spans]
+    [commit] = commits
+    assert run.start_ns <= commit.start_ns <= commit.end_ns <= run.end_ns
+
+    # the turn: in the run's trace, under its send, linked to the turn's own trace, and ended
+    # once everything the turn did had ended
+    assert turn.attributes["reflexr.run.id"] == run.attributes["reflexr.run.id"]
+    assert send in ancestors(turn, by_id)
+    everywhere = receiver.spans()
+    [(turn_trace, turn_span_id)] = turn.links
+    [own] = [span for span in everywhere if span.span_id == turn_span_id]
+    assert own.name == "invoke_workflow turn"
+    assert own.trace_id == turn_trace != trace_id
+    assert turn.attributes["artifactr.run.id"] == own.attributes["artifactr.run.id"]
+    assert turn.attributes["relayr.outcome"] == "completed"
+    own_by_id = {span.span_id: span for span in everywhere if span.trace_id == turn_trace}
+    inside = [span for span in own_by_id.values() if own in ancestors(span, own_by_id)]
+    assert any(span.name == "artifactr.commit post_message" for span in inside)  # the reply
+    assert all(span.end_ns <= turn.end_ns for span in inside)
+
+    # no span anywhere carries what was written
+    for span in everywhere:
+        for text in [span.name, *texts(span.attributes)]:
+            assert secret not in text, (span.name, span.attributes)
+            assert REPLY[:40] not in text, (span.name, span.attributes)
+            assert "Triage incident" not in text, (span.name, span.attributes)
+    assert message_id.startswith("msg_")
+
+    # log lines and traces join: the worker's lines of the run carry the trace's id
+    started = [
+        line
+        for line in map(json.loads, filter(lambda text: text[:1] == "{", worker_log.splitlines()))
+        if line.get("event") == "attempt started" and line.get("rule") == "ops:incident-triage"
+    ]
+    assert [line["trace_id"] for line in started] == [trace_id]
+    assert started[0]["span_id"] == run.span_id
