@@ -7,12 +7,11 @@ and PostgreSQL; the broker is the embedded one, or Redis where the scenario kill
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from relayr.cli import cli
+from relayr.cli.processes import RelayrProcess, relayr_command
 from tests.ops_app import CRASH_CONTENT, FIXED
 from tests.workers import REPO, relayr_environment, running_worker
 
@@ -53,25 +53,13 @@ def relayr(environment: dict[str, str], *args: str, check: bool = True) -> Any:
 def dispatching(environment: dict[str, str], log_dir: Path) -> Iterator[Path]:
     """``relayr dispatch`` for the duration of the block; its log file is yielded."""
     log_path = log_dir / "dispatcher.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "relayr.cli", "dispatch"],
-            cwd=REPO,
-            env=environment,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = RelayrProcess.start(
+        relayr_command("dispatch"), environment=environment, cwd=REPO, log_path=log_path
+    )
     try:
         yield log_path
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            with suppress(ProcessLookupError):
-                os.killpg(process.pid, 9)
-            process.wait()
+        process.stop(30)
 
 
 def until[T](probe: Callable[[], T | None], what: str, timeout_s: float = WAIT_S) -> T:

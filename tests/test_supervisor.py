@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from click.testing import CliRunner
 from structlog.testing import capture_logs
 
 from relayr.cli import cli
+from relayr.cli.processes import RelayrProcess, relayr_command
 from relayr.health import check_supervisor
 from relayr.supervisor import (
     RestartPolicy,
@@ -268,25 +270,21 @@ def environment(tmp_path: Path) -> dict[str, str]:
     return relayr_environment(tmp_path, allowlist=allowlist)
 
 
-def start_run(environment: dict[str, str], *options: str) -> subprocess.Popen[bytes]:
-    log = Path(environment["RELAYR_HOME"]) / "run.log"
-    with log.open("ab") as output:
-        return subprocess.Popen(
-            [sys.executable, "-m", "relayr.cli", "run", "--concurrency", "1", *options],
-            cwd=REPO,
-            env=environment,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+def start_run(environment: dict[str, str], *options: str) -> RelayrProcess:
+    return RelayrProcess.start(
+        relayr_command("run", "--concurrency", "1", *options),
+        environment=environment,
+        cwd=REPO,
+        log_path=Path(environment["RELAYR_HOME"]) / "run.log",
+    )
 
 
 @pytest.fixture
-def relayr_run(environment: dict[str, str]) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+def relayr_run(environment: dict[str, str]) -> Iterator[Callable[..., RelayrProcess]]:
     """Starts ``relayr run``; whatever the test did, it is stopped with Ctrl-C, else killed."""
-    processes: list[subprocess.Popen[bytes]] = []
+    processes: list[RelayrProcess] = []
 
-    def start(*options: str) -> subprocess.Popen[bytes]:
+    def start(*options: str) -> RelayrProcess:
         processes.append(start_run(environment, *options))
         return processes[-1]
 
@@ -294,13 +292,11 @@ def relayr_run(environment: dict[str, str]) -> Iterator[Callable[..., subprocess
         yield start
     finally:
         for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-                try:
+            if process.alive():
+                process.signal(signal.SIGINT)
+                with suppress(subprocess.TimeoutExpired):
                     process.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
+            process.kill()
         found = read_status(status_path(Path(environment["RELAYR_HOME"])))
         if found is not None:  # a worker a killed relayr run left behind
             with_pid = found[0].worker_pid
@@ -361,7 +357,7 @@ def log_lines(environment: dict[str, str]) -> list[dict[str, Any]]:
 @pytest.mark.worker
 @pytest.mark.slow
 def test_a_killed_worker_comes_back_and_health_said_it_was_down(
-    environment: dict[str, str], relayr_run: Callable[..., subprocess.Popen[bytes]]
+    environment: dict[str, str], relayr_run: Callable[..., RelayrProcess]
 ) -> None:
     run = relayr_run("--restart-delay", str(DOWN_S))
     first = wait_for(lambda: healthy_worker(environment), "the first worker to be healthy")
@@ -413,7 +409,7 @@ def test_a_killed_worker_comes_back_and_health_said_it_was_down(
         "deploy of api finished: succeeded",
     )
 
-    run.send_signal(signal.SIGINT)
+    run.signal(signal.SIGINT)
     assert run.wait(60) == 0
     assert not is_worker(restarted)
     assert supervisor_status(environment) is None
@@ -450,7 +446,7 @@ def test_relayr_run_refuses_a_worker_that_cannot_start_in_one_line(
 @pytest.mark.worker
 @pytest.mark.slow
 def test_a_worker_whose_allowlist_broke_while_it_ran_stops_relayr_run(
-    environment: dict[str, str], relayr_run: Callable[..., subprocess.Popen[bytes]]
+    environment: dict[str, str], relayr_run: Callable[..., RelayrProcess]
 ) -> None:
     run = relayr_run("--restart-delay", "0.1")
     first = wait_for(lambda: healthy_worker(environment), "the worker to be healthy")
