@@ -61,8 +61,8 @@ async def run_scenario(
 
     from relayr import demo
     from relayr.cli.serve import serve_dispatcher
-    from relayr.transcript import read_thread
     from relayr.runtime import Runtime
+    from relayr.transcript import read_thread
 
     tenant_id = tenant_id or demo.TENANT
     workspace_id = workspace_id or demo.WORKSPACE

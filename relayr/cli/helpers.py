@@ -108,9 +108,7 @@ def parse_id(kind: str, value: str) -> str:
     return value
 
 
-def load_settings(
-    *, log_level: str | None = "WARNING", role: "Role | None" = "cli"
-) -> "Settings":
+def load_settings(*, log_level: str | None = "WARNING", role: "Role | None" = "cli") -> "Settings":
     """Read the settings once; invalid ones stop the command as bad input.
 
     With ``log_level``, logs go to stderr at that level and above, in the settings' format, so
