@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from relayr.core.allowlist_toml import parse_allowlist
-from relayr.settings import PREFIX, Settings
+from relayr.settings import PREFIX, STANDARD_VARIABLES, Settings
 from tasks.worker import CLOSE_MARGIN_S
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,8 +36,15 @@ K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 ENV_EXAMPLE = DEPLOY / "systemd" / "relayr.env.example"
 
-SETTINGS_VARIABLES = frozenset(PREFIX + name.upper() for name in Settings.model_fields)
-"""Every variable relayr reads: one per settings field."""
+SETTINGS_VARIABLES = frozenset(
+    STANDARD_VARIABLES.get(name, PREFIX + name.upper()) for name in Settings.model_fields
+)
+"""Every variable relayr reads: one per settings field (OpenTelemetry's standard names for
+the endpoint and the service's name)."""
+
+UNPROBED = {"otel-collector", "jaeger"}
+"""Compose services whose images have no program to probe themselves with, and that relayr never
+waits for (a span it cannot export is dropped): their health check is disabled, on purpose."""
 
 PYTHON_VARIABLES = frozenset({"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"})
 """Python's own variables, which the image may set for every process."""
@@ -263,7 +270,7 @@ def assert_relayr_environment(where: str, environment: Mapping[str, str]) -> Set
         if name not in SETTINGS_VARIABLES and name not in PYTHON_VARIABLES
     }
     assert not unknown, f"{where} sets variables relayr does not read: {sorted(unknown)}"
-    return Settings.from_env({k: v for k, v in environment.items() if k.startswith(PREFIX)})
+    return Settings.from_env({k: v for k, v in environment.items() if k in SETTINGS_VARIABLES})
 
 
 def test_the_settings_know_every_variable_the_files_name() -> None:
@@ -441,6 +448,7 @@ def test_compose_redis_keeps_messages_and_every_service_is_checked() -> None:
     assert services["worker"]["deploy"]["replicas"] == 2
     for name, service in services.items():
         assert "healthcheck" in service, f"compose {name} has no health check"
+        assert service["healthcheck"].get("disable", False) == (name in UNPROBED), name
     assert "--broker=redis://redis:6379/0" in services["flower"]["command"]
 
 
@@ -513,12 +521,12 @@ def test_the_image_recipe_installs_and_runs(tmp_path: Path) -> None:
     ]
     pip_arguments = shlex.split(install.split("&&")[0])
     assert pip_arguments[:2] == ["pip", "install"]
-    assert pip_arguments[-1] == "."
+    assert pip_arguments[-1] in (".", ".[otel]")
     environment = tmp_path / "venv"
     venv.create(environment, with_pip=True)
     python = environment / "bin" / "python"
     subprocess.run(
-        [str(python), "-m", *pip_arguments[:-1], str(context)],
+        [str(python), "-m", *pip_arguments[:-1], str(context) + pip_arguments[-1][1:]],
         check=True,
         capture_output=True,
         timeout=840,
@@ -538,3 +546,23 @@ def test_the_image_recipe_installs_and_runs(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stderr
         assert "Usage: relayr" in done.stdout
+
+
+def test_compose_traces_every_relayr_process_through_the_collector() -> None:
+    services = compose()["services"]
+    for name, service in relayr_services().items():
+        settings = assert_relayr_environment(f"compose {name}", service["environment"])
+        assert settings.tracing, name
+        assert settings.otlp_endpoint == "http://otel-collector:4318", name
+    config = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text())
+    [mount] = services["otel-collector"]["volumes"]
+    source, target, mode = mount.split(":")
+    assert (COMPOSE.parent / source).resolve() == DEPLOY / "otel-collector.yaml"
+    assert services["otel-collector"]["command"] == [f"--config={target}"]
+    assert mode == "ro"
+    assert config["receivers"]["otlp"]["protocols"]["http"]["endpoint"] == "0.0.0.0:4318"
+    traces = config["service"]["pipelines"]["traces"]
+    assert traces["receivers"] == ["otlp"]
+    [exporter] = traces["exporters"]
+    assert config["exporters"][exporter]["endpoint"] == "jaeger:4317"
+    assert "127.0.0.1:16686:16686" in services["jaeger"]["ports"]
