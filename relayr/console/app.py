@@ -161,8 +161,10 @@ def create_app(console: Console) -> Starlette:
         return {"mode": "visitor", "can_act": False, "csrf": ""}
 
     def render(request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
+        url = request.url
+        here = f"{url.path}?{url.query}" if url.query and request.method == "GET" else url.path
         page = pages.get_template(name).render(
-            access=access(request), path=request.url.path, **context
+            access=access(request), path=url.path, here=here, **context
         )
         return HTMLResponse(page, status_code=status_code)
 

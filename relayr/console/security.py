@@ -61,12 +61,14 @@ SECURITY_HEADERS: Final = (
     ),
     (b"x-content-type-options", b"nosniff"),
     (b"x-frame-options", b"DENY"),
-    (b"referrer-policy", b"no-referrer"),
+    (b"referrer-policy", b"same-origin"),
     (b"cache-control", b"no-store"),
 )
 """Sent with every response. The policy allows the console's own stylesheet and nothing else:
 no script at all (the console has none), so even markup that escaped the templates could not
-run; no frames (clickjacking of the action buttons); no caching of pages that show runs."""
+run; no frames (clickjacking of the action buttons); no caching of pages that show runs. The
+referrer stays on this site: ``same-origin``, not ``no-referrer``, under which a browser sends
+its own form posts with ``Origin: null``, which :func:`cross_site` must refuse."""
 
 
 def session_secret(token: str) -> str:

@@ -1,0 +1,247 @@
+"""The console's security and pages over HTTP, on a real ``relayr console`` process.
+
+A script talks to the console as a forger would (no browser, no JavaScript): every POST is
+refused without the token, without a session, without the session's CSRF token, or from
+another site's page; a console bound to loopback answers loopback names only; every response
+carries headers that forbid scripts and frames; stored markup comes back escaped; bad
+parameters are one line naming them (400). The browser tests on real workers are in
+``tests/test_console_browser.py``.
+"""
+
+import html
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relayr.cli.processes import relayr_command
+from relayr.console.security import SESSION_COOKIE
+from tests.consoles import Client, Console, relayr, running_console
+from tests.workers import REPO, relayr_environment
+
+TOKEN = "console-test-token-0123456789abcdef"
+WHERE = "acme/ops"
+SCRIPT = "<script>document.title='pwned'</script>"
+PAGES = ("/runs", "/runs?status=dead", "/allowlist", "/health", "/login")
+ACTIONS = ("/run/retry", "/run/cancel", "/run/skip", "/retry-dead", "/logout", "/login")
+
+
+def environment_of(home: Path, **settings: object) -> dict[str, str]:
+    return relayr_environment(home, app="tests.console_app:create_console_app", **settings)
+
+
+@pytest.fixture(scope="module")
+def token_console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
+    home = tmp_path_factory.mktemp("token-console")
+    with running_console(environment_of(home, console_token=TOKEN), home) as console:
+        yield console
+
+
+@pytest.fixture(scope="module")
+def read_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Console, str]]:
+    home = tmp_path_factory.mktemp("read-only-console")
+    allowlist = home / "allowlist.toml"
+    allowlist.write_text(f'[rules."{SCRIPT}"]\nturns = true\n')
+    environment = environment_of(home, allowlist=allowlist)
+    thread = relayr(environment, "thread", "create", WHERE, "--title", SCRIPT)["id"]
+    with running_console(environment, home) as console:
+        yield console, thread
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found is not None, page
+    return found[1]
+
+
+def logged_in(console: Console) -> tuple[Client, str]:
+    """A client logged in with the token, and its session's CSRF token."""
+    client = Client()
+    _, page, _ = client.get(console.at("/login"))
+    status, _, headers = client.post(
+        console.at("/login"), {"csrf": csrf_of(page), "token": TOKEN, "next": "/health"}
+    )
+    assert (status, headers["location"]) == (303, "/health")
+    _, page, _ = client.get(console.at("/runs"))
+    return client, csrf_of(page)
+
+
+def test_without_the_token_every_page_reads_and_every_post_is_refused(
+    read_only: tuple[Console, str],
+) -> None:
+    console, _ = read_only
+    client = Client()
+    for path in PAGES:
+        status, page, headers = client.get(console.at(path))
+        assert status == 200, path
+        assert "Read-only: RELAYR_CONSOLE_TOKEN is not set" in page, path
+        assert 'method="post"' not in page, path
+        assert "set-cookie" not in headers, path
+    for path in ACTIONS:
+        status, page, _ = client.post(console.at(path), {"id": "fir_1", "csrf": "x"})
+        assert status == 403, path
+        assert "read-only: RELAYR_CONSOLE_TOKEN is not set" in page, path
+
+
+def test_with_the_token_a_visitor_reads_and_every_post_needs_a_session(
+    token_console: Console,
+) -> None:
+    client = Client()
+    for path in PAGES[:-1]:
+        status, page, _ = client.get(token_console.at(path))
+        assert status == 200, path
+        assert "Read-only until you" in page
+        assert 'method="post"' not in page, path
+    for path in ACTIONS[:-1]:
+        status, page, _ = client.post(token_console.at(path), {"id": "fir_1", "csrf": "x"})
+        assert status == 403, path
+        assert "CSRF token is missing or stale" in page
+
+
+def test_login_takes_the_token_and_the_forms_csrf_token(token_console: Console) -> None:
+    client = Client()
+    status, page, headers = client.get(token_console.at("/login"))
+    assert status == 200
+    cookie = headers["set-cookie"]
+    assert cookie.startswith(f"{SESSION_COOKIE}=")
+    assert "httponly" in cookie.lower()
+    assert "samesite=strict" in cookie.lower()
+    csrf = csrf_of(page)
+    wrong = client.post(token_console.at("/login"), {"csrf": csrf, "token": TOKEN[:-1] + "x"})
+    assert wrong[0] == 403
+    assert "not the console's token" in html.unescape(wrong[1])
+    # another browser's session: the token alone does not log in without this one's CSRF token
+    forged = Client().post(token_console.at("/login"), {"csrf": csrf, "token": TOKEN})
+    assert forged[0] == 403
+    # a login never sends a person to another site
+    status, _, headers = client.post(
+        token_console.at("/login"), {"csrf": csrf, "token": TOKEN, "next": "//evil.example/"}
+    )
+    assert (status, headers["location"]) == (303, "/runs")
+    status, page, _ = client.get(token_console.at("/runs"))
+    assert "Logged in with the console's token" in html.unescape(page)
+    assert csrf_of(page) != csrf, "a login must rotate the CSRF token"
+
+
+def test_a_logged_in_action_needs_its_csrf_token_and_this_sites_origin(
+    token_console: Console,
+) -> None:
+    client, csrf = logged_in(token_console)
+    form = {"id": "fir_0000000000000000", "reason": "retired"}
+    assert client.post(token_console.at("/run/skip"), form)[0] == 403
+    assert client.post(token_console.at("/run/skip"), {**form, "csrf": csrf + "x"})[0] == 403
+    host = token_console.url.split("/")[2]
+    for headers in (
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+        {"Sec-Fetch-Site": "cross-site"},
+    ):
+        status, page, _ = client.post(
+            token_console.at("/run/skip"), {**form, "csrf": csrf}, headers
+        )
+        assert status == 403, headers
+        assert "refused" in page
+    status, page, _ = client.post(
+        token_console.at("/run/skip"),
+        {**form, "csrf": csrf},
+        {"Origin": f"http://{host}", "Sec-Fetch-Site": "same-origin"},
+    )
+    assert status == 200, page
+    assert "no run fir_0000000000000000" in page
+    status, _, _ = client.post(token_console.at("/logout"), {"csrf": csrf})
+    assert status == 303
+    assert client.post(token_console.at("/run/skip"), {**form, "csrf": csrf})[0] == 403
+
+
+def test_every_response_forbids_scripts_and_frames_and_loopback_names_only(
+    token_console: Console,
+) -> None:
+    client = Client()
+    for path in ("/runs", "/static/console.css", "/nowhere", "/run?id=fir_x"):
+        _, _, headers = client.get(token_console.at(path))
+        policy = headers["content-security-policy"]
+        assert "default-src 'none'" in policy
+        assert "script-src" not in policy  # default-src 'none': no script at all
+        assert "frame-ancestors 'none'" in policy
+        assert headers["x-frame-options"] == "DENY"
+        assert headers["x-content-type-options"] == "nosniff"
+    port = token_console.url.rstrip("/").rsplit(":", 1)[1]
+    for host, status in (
+        (f"localhost:{port}", 200),
+        (f"127.0.0.1:{port}", 200),
+        (f"attacker.example:{port}", 400),
+        (f"127.0.0.1.nip.io:{port}", 400),
+    ):
+        assert client.get(token_console.at("/runs"), {"Host": host})[0] == status, host
+
+
+def test_stored_markup_comes_back_as_text(read_only: tuple[Console, str]) -> None:
+    console, thread = read_only
+    client = Client()
+    pages: dict[str, Any] = {
+        "thread": client.get(console.at(f"/thread?workspace={WHERE}&id={thread}")),
+        "allowlist": client.get(console.at("/allowlist")),
+        "rule filter": client.get(console.at("/runs?rule=" + SCRIPT)),
+    }
+    for name, (status, page, _) in pages.items():
+        assert status == 200, name
+        assert "<script" not in page, name
+        assert "&lt;script&gt;document.title=&#39;pwned&#39;&lt;/script&gt;" in page, name
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/runs?since=yesterday", "since 'yesterday' is not a duration"),
+        ("/runs?workspace=acme", "workspace 'acme' is malformed"),
+        ("/runs?status=lost", "status 'lost' is not one of dead, failed"),
+        ("/runs?page=0", "page '0' is not a page number"),
+        ("/run?id=a%20b", "id 'a b' is malformed"),
+        ("/thread?workspace=acme/ops", "id '' is malformed"),
+        ("/retry-dead?since=2x", "since '2x' is not a duration"),
+    ],
+)
+def test_a_bad_parameter_is_one_line_naming_it(
+    token_console: Console, path: str, message: str
+) -> None:
+    status, page, _ = Client().get(token_console.at(path))
+    assert status == 400
+    assert message in html.unescape(page)
+
+
+def test_a_run_or_thread_that_does_not_exist_is_404(token_console: Console) -> None:
+    client = Client()
+    status, page, _ = client.get(token_console.at("/run?id=fir_0000000000000000"))
+    assert (status, "no run fir_0000000000000000" in page) == (404, True)
+    status, page, _ = client.get(token_console.at(f"/thread?workspace={WHERE}&id=thr_0"))
+    assert (status, "thread thr_0 does not exist in acme/ops" in page) == (404, True)
+
+
+def test_the_probe_says_whether_the_console_answers(token_console: Console) -> None:
+    port = token_console.url.rstrip("/").rsplit(":", 1)[1]
+    probe = relayr_command("console", "--probe", "--port", port)
+    done = subprocess.run(probe, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "console healthy" in done.stdout
+
+
+def test_a_port_in_use_is_bad_input(token_console: Console, tmp_path: Path) -> None:
+    port = token_console.url.rstrip("/").rsplit(":", 1)[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "relayr.cli", "console", "--port", port],
+        cwd=REPO,
+        env=environment_of(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert f"Error: cannot listen on 127.0.0.1 port {port}: address already in use" in done.stderr
+    probe = relayr_command("console", "--probe", "--port", "1")
+    refused = subprocess.run(probe, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1
+    assert "console unhealthy" in refused.stderr
