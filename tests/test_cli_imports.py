@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from relayr.cli import COMMANDS, cli
+from tests.otlp import receiving
 from tests.workers import REPO, relayr_environment
 
 HEAVY = (
@@ -32,9 +33,19 @@ HEAVY = (
     "uvicorn",
     "multipart",
     "itsdangerous",
+    "opentelemetry",
 )
 """What no ``--help`` may import: the libraries, their schema tools, Celery, the console's web
-stack, even asyncio."""
+stack, OpenTelemetry, even asyncio."""
+
+SDK = (
+    "opentelemetry.sdk",
+    "opentelemetry.exporter.otlp.proto.http",
+    "opentelemetry.instrumentation.celery",
+    "relayr.otel",
+)
+"""OpenTelemetry's SDK, its exporter and Celery's instrumentation: loaded only when tracing is
+on (ADR-0080)."""
 
 PROBE = """
 import json, sys
@@ -122,6 +133,20 @@ def test_publish_loads_reflexr_and_no_artifactr(environment: dict[str, str]) -> 
     loaded = imported(environment, "publish", "acme/ops", "deploy:finished", "--data", data)
     assert "reflexr" in loaded
     assert loaded.isdisjoint({"artifactr", "pydantic_ai", "celery"}), loaded
+
+
+def test_publish_loads_nothing_of_opentelemetry_s_sdk_unless_traced(
+    environment: dict[str, str],
+) -> None:
+    data = json.dumps({"service": "api", "status": "ok", "thread_id": "thr_1"})
+    command = ("publish", "acme/ops", "deploy:finished", "--data", data)
+
+    assert imported(environment, *command, among=SDK) == set()
+    with receiving() as receiver:
+        traced = {**environment, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
+        loaded = imported(traced, *command, among=(*SDK, "artifactr", "celery"))
+    # traced, the command loads the SDK and its exporter, and still no artifactr nor Celery
+    assert loaded == {"opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http", "relayr.otel"}
 
 
 def test_runs_list_and_allowlist_check_load_no_artifactr(environment: dict[str, str]) -> None:
