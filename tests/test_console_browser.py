@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 
@@ -253,3 +254,36 @@ def test_without_the_token_nothing_acts_and_stored_markup_is_text(
         report = relayr(environment, "runs", "show", dead["id"])
         assert report["run"]["status"] == "dead"
         assert [attempt["outcome"] for attempt in report["attempts"]] == ["dead"]
+
+
+def test_a_retry_with_the_broker_down_says_so_and_the_dispatcher_runs_it(
+    tmp_path: Path, browser: Any
+) -> None:
+    """The console reaches no broker (nothing listens on its port), the worker and the
+    dispatcher reach theirs: the retry is done in reflexr, the page says the broker is down and
+    that the dispatcher will enqueue the run (ADR-0034), and the dispatcher does."""
+    environment = environment_of(tmp_path, console_token=TOKEN)
+    unreachable = {**environment, "RELAYR_BROKER_URL": "redis://127.0.0.1:1/0"}
+    thread = relayr(environment, "thread", "create", WHERE, "--title", "backups")["id"]
+    with (
+        running_worker(environment, tmp_path),
+        dispatching(environment, tmp_path),
+        running_console(unreachable, tmp_path) as console,
+    ):
+        publish(environment, WHERE, "opsw:backup", thread_id=thread)
+        [dead] = wait_for(environment, "dead", 1, "--rule", BACKUP)
+        page = browser.new_page()
+        back = "/" + run_link(console, dead).split("/", 3)[3]
+        page.goto(console.at("/login?" + urlencode({"next": back})))
+        page.fill("input[name=token]", TOKEN)
+        page.click("form.login button[type=submit]")
+        page.wait_for_url(re.compile(r"/run\?id="))
+        (tmp_path / FIXED).touch()
+        page.click("form[action='/run/retry'] button")
+        page.wait_for_url("**/run/retry")
+        problem = page.locator("#problem").inner_text()
+        assert problem.startswith("broker redis://127.0.0.1:1/0 is unavailable: retried in")
+        assert f"{dead['id']} ({WHERE}); the dispatcher will enqueue it" in problem
+        result = page.locator(f'#results tr[data-run="{dead["id"]}"]').inner_text()
+        assert "retried, not enqueued" in result
+        wait_for(environment, "succeeded", 1, "--rule", BACKUP)
