@@ -52,8 +52,16 @@ PYTHON_VARIABLES = frozenset({"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"})
 SECRET_SAMPLES = {
     "RELAYR_BROKER_URL": "redis://:secret@redis:6379/0",
     "RELAYR_DATABASE_URL": "postgresql+asyncpg://relayr:secret@postgres:5432/relayr",
+    "RELAYR_CONSOLE_TOKEN": "a-console-token-of-32-characters",
 }
 """Values standing in for the Secret's, to check the settings a pod would start with."""
+
+SECRETS = {
+    "RELAYR_BROKER_URL": "relayr-urls",
+    "RELAYR_DATABASE_URL": "relayr-urls",
+    "RELAYR_CONSOLE_TOKEN": "relayr-console",
+}
+"""The Secret each secret variable comes from: the URLs', and the console's token (ADR-0070)."""
 
 
 # ─── reading the files ──────────────────────────────────────────────────────
@@ -231,7 +239,8 @@ ALL = invocations()
 def test_deploy_runs_relayr_everywhere() -> None:
     sources = {invocation.where.split()[0] for invocation in ALL}
     assert sources == {"Dockerfile", "compose", "k8s", "systemd"}
-    assert {invocation.argv[1] for invocation in ALL} == {"worker", "dispatch", "health"}
+    commands = {invocation.argv[1] for invocation in ALL}
+    assert commands == {"worker", "dispatch", "health", "console"}
 
 
 @pytest.mark.parametrize("invocation", ALL, ids=[invocation.where for invocation in ALL])
@@ -311,13 +320,15 @@ def test_k8s_pods_start_with_valid_settings_and_secret_urls() -> None:
             for variable in container["env"]:
                 if "valueFrom" in variable:
                     reference = variable["valueFrom"]["secretKeyRef"]
-                    assert reference["name"] == "relayr-urls", name
+                    assert reference["name"] == SECRETS[variable["name"]], name
                     environment[variable["name"]] = SECRET_SAMPLES[variable["name"]]
                 else:
                     environment[variable["name"]] = variable["value"]
             assert_relayr_environment(f"k8s {name}", environment)
             secret = {v["name"] for v in container["env"] if "valueFrom" in v}
-            assert secret == {"RELAYR_BROKER_URL", "RELAYR_DATABASE_URL"}, name
+            urls = secret - {"RELAYR_CONSOLE_TOKEN"}
+            assert urls == {"RELAYR_BROKER_URL", "RELAYR_DATABASE_URL"}, name
+            assert ("RELAYR_CONSOLE_TOKEN" in secret) == (name == "relayr-console"), name
 
 
 def test_systemd_units_read_a_valid_environment_file() -> None:
@@ -458,7 +469,7 @@ def test_every_manifest_parses() -> None:
     assert K8S
     assert UNITS
     kinds = sorted(document["kind"] for _, document in k8s_documents())
-    assert kinds == ["ConfigMap", "Deployment", "Deployment"]
+    assert kinds == ["ConfigMap", "Deployment", "Deployment", "Deployment", "Service"]
     for path, document in k8s_documents():
         assert document["apiVersion"] in {"v1", "apps/v1"}, path.name
         assert document["metadata"]["labels"]["app.kubernetes.io/name"] == "relayr"

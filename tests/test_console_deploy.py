@@ -1,0 +1,51 @@
+"""The console's deploy entries: reachable only where the ADR says, probed where it listens.
+
+``tests/test_deploy.py`` parses every command (``relayr console ...`` included) with the click
+group and every variable with the settings; this adds what is the console's own (ADR-0070):
+compose publishes it on the host's loopback only, Kubernetes behind a ClusterIP Service, both
+probe the port it listens on, and its token comes from outside the files (an optional Secret,
+the operator's environment), so a deployment without it is read-only.
+"""
+
+from typing import Any
+
+from tests.test_deploy import compose, containers, deployments, k8s_documents
+
+
+def option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_compose_publishes_the_console_on_loopback_and_probes_its_port() -> None:
+    console = compose()["services"]["console"]
+    port = option(console["command"], "--port")
+    assert option(console["command"], "--host") == "0.0.0.0"  # inside its container
+    assert console["ports"] == [f"127.0.0.1:{port}:{port}"]
+    assert console["healthcheck"]["test"] == ["CMD", "relayr", "console", "--probe", "--port", port]
+    assert console["environment"]["RELAYR_CONSOLE_TOKEN"] == "${RELAYR_CONSOLE_TOKEN:-}"
+
+
+def test_kubernetes_serves_the_console_in_the_cluster_only() -> None:
+    deployment = deployments()["relayr-console"]
+    [container] = containers(deployment)
+    port = option(container["args"], "--port")
+    [named] = [p for p in container["ports"] if p["name"] == "http"]
+    assert str(named["containerPort"]) == port
+    for probe in ("startupProbe", "livenessProbe"):
+        assert container[probe]["exec"]["command"] == [
+            "relayr",
+            "console",
+            "--probe",
+            "--port",
+            port,
+        ]
+    [token] = [v for v in container["env"] if v["name"] == "RELAYR_CONSOLE_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"]["optional"] is True  # without it: read-only
+    services: list[dict[str, Any]] = [d for _, d in k8s_documents() if d["kind"] == "Service"]
+    [service] = services
+    assert service["metadata"]["name"] == "relayr-console"
+    assert service["spec"]["type"] == "ClusterIP"
+    pods = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pods.items()
+    [exposed] = service["spec"]["ports"]
+    assert exposed["targetPort"] == "http"
