@@ -18,13 +18,13 @@ grant stops the next send of a run already queued. ``post`` lets the allowlist p
 Every write is decided by the core before it is made (:mod:`relayr.core.routing`: its thread,
 its permission, its ids and content); this module asks, then writes (:mod:`relayr.writes`).
 
-The run behind each write is recorded in the ledger under the write's id, and each notice or
-send leaves one emission record (ADR-0023). Before a send, which starts a turn, the cause is
-committed first, on its own. Any other write's cause, and a notice's record, ride in the
-write's own transaction (:meth:`relayr.ledger.Ledger.alongside`), so a write that exists always
-has them. What an action learns only after its write (a send's outcome, a notice an earlier
-attempt posted) waits in :func:`pending_writes` for the run's completion, whose transaction
-carries it.
+The run behind each write is recorded in the ledger under the write's id (a direct write to an
+artifact: the revision it makes, ADR-0065), and each notice or send leaves one emission record
+(ADR-0023). Before a send, which starts a turn, the cause is committed first, on its own. Any
+other write's cause, and a notice's record, ride in the write's own transaction
+(:meth:`relayr.ledger.Ledger.alongside`), so a write that exists always has them. What an
+action learns only after its write (a send's outcome, a notice an earlier attempt posted) waits
+in :func:`pending_writes` for the run's completion, whose transaction carries it.
 
 Refusals are reflexr ``RunFailure``s with a reason from :mod:`relayr.core.reasons`, so the
 rule's retry policy decides what follows (:mod:`relayr.core.refusals`, ADR-0060).
@@ -68,7 +68,7 @@ from relayr.core.routing import (
     route,
     thread_for,
 )
-from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind
+from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind, revision_key
 from relayr.writes import Writes
 
 logger = structlog.get_logger("relayr.actions")
@@ -216,8 +216,7 @@ class RunActions:
         with suppress(InvalidState):  # used: an earlier attempt created it
             await self._writes.commit(
                 CreateThread(thread_id=thread_id, title=title),
-                "thread",
-                thread_id,
+                [("thread", thread_id)],
                 doing=f"creating thread {thread_id}",
             )
         if thread_id not in self._chain:
@@ -380,7 +379,7 @@ class RunActions:
         record = self._writes.record(self._run, "notice", "posted", thread, message_id, content)
         try:
             await self._writes.commit(
-                command, "message", message_id, record, doing=f"posting notice {message_id}"
+                command, [("message", message_id)], record, doing=f"posting notice {message_id}"
             )
         except InvalidState:
             held = await self._writes.held_kind(thread, message_id)
@@ -430,14 +429,22 @@ class RunActions:
         proposal_id: str,
         artifact_id: str,
     ) -> tuple[str, bool]:
-        """Make or propose ``command``; return the key it is found by, and whether artifactr
-        refused it as already made (``InvalidState``)."""
+        """Make or propose ``command``; return the id it is found by, and whether artifactr
+        refused it as already made (``InvalidState``).
+
+        A direct write's cause is kept under the revision it makes (an artifact's id is every
+        writer's, ADR-0065), and under its proposal's id, which artifactr records instead when
+        the kind's write policy asks agents to propose.
+        """
         direct = is_direct(self.allowlist, kind)
-        write: WriteKind = "artifact" if direct else "proposal"
-        key = artifact_id if direct else proposal_id
+        write, key = ("artifact", artifact_id) if direct else ("proposal", proposal_id)
         made = command if direct else ProposeChange(proposal_id=proposal_id, change=command)
+        keys: list[tuple[WriteKind, str]] = [("proposal", proposal_id)]
+        if direct:
+            made_version = 1 if isinstance(command, CreateArtifact) else command.base_version + 1
+            keys.append(("revision", revision_key(artifact_id, made_version)))
         try:
-            await self._writes.commit(made, write, key, doing=f"{command.type} of {artifact_id}")
+            await self._writes.commit(made, keys, doing=f"{command.type} of {artifact_id}")
         except VersionConflict:
             raise _Conflict() from None
         except InvalidState:

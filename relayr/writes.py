@@ -9,7 +9,7 @@ retries fails the attempt ``storage_unavailable`` (retried by the rule's policy)
 naming the write, never as a raw SQLAlchemy error.
 """
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import structlog
@@ -120,22 +120,24 @@ class Writes:
     async def commit(
         self,
         command: Command,
-        kind: WriteKind,
-        key: str,
+        keys: Sequence[tuple[WriteKind, str]],
         record: EmissionRecord | None = None,
         *,
         doing: str,
     ) -> None:
-        """Commit ``command``; the write's cause (and ``record``) ride in its transaction.
+        """Commit ``command``; the write's cause, under each of ``keys``, (and ``record``) ride
+        in its transaction.
 
         A transient storage fault is retried: the command's id is derived, so a commit that
         did land is refused as used (``InvalidState``) the second time. When the commit is
-        refused, the cause waits for the run's completion (an earlier attempt made the write,
-        or none will, and a cause without its write is harmless).
+        refused, the cause under a key derived from the run waits for the run's completion (an
+        earlier attempt made the write, or none will, and a cause without its write is
+        harmless). A revision's does not: another run may make that revision (ADR-0065).
         """
         handle = await self.handle()
         writes = LedgerWrites()
-        writes.cause(self.workspace, kind, key, self._cause)
+        for kind, key in keys:
+            writes.cause(self.workspace, kind, key, self._cause)
         if record is not None:
             writes.emission(record)
 
@@ -147,7 +149,9 @@ class Writes:
             await self.guarded(doing, step)
         except BaseException:
             if not writes.committed:
-                self.pending.cause(self.workspace, kind, key, self._cause)
+                for kind, key in keys:
+                    if kind != "revision":
+                        self.pending.cause(self.workspace, kind, key, self._cause)
             raise
 
     async def record_cause(self, kind: WriteKind, key: str) -> None:

@@ -12,7 +12,14 @@ the tests' own runtimes:
 - ``loop:start`` (on ``followtest:looped``) posts "echo at depth 0", and ``loop:echo`` (on
   ``artifactr:message_posted`` by a ``loop:`` rule, notices included) posts "echo at depth N":
   a rule that answers its own notices, which reflexr's depth limit (:data:`MAX_DEPTH`) stops
-  after :data:`MAX_DEPTH` notices in all.
+  after :data:`MAX_DEPTH` notices in all;
+- ``edit:note`` (on ``followtest:noted``) sets an artifact's ``note``: directly for a
+  ``follow_counter`` (the allowlist's ``direct``), as a proposal for a ``follow_draft``, and as
+  a proposal artifactr makes of a direct write for a ``follow_plan`` (its write policy);
+- ``loop:count`` (on ``followtest:counted``) sets a ``follow_counter``'s ``count`` to 1, and
+  ``loop:recount`` (on ``artifactr:artifact_changed`` by a ``loop:`` rule) sets it to the
+  version it saw, directly: rules that edit one artifact in a loop, which the depth limit stops
+  after :data:`MAX_DEPTH` edits (:data:`RECOUNT_CAP` bounds a loop that escaped it).
 
 When ``RELAYR_HOME`` holds :data:`GATE_ARMED`, the first batch a follower publishes waits after
 its publish, before its cursor moves: it removes the file, writes :data:`GATE_HELD` (its pid)
@@ -24,9 +31,9 @@ import asyncio
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
-from artifactr import MarkdownArtifact
+from artifactr import Artifact, MarkdownArtifact, WritePolicy
 from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.agent import ArtifactWorkspace, Session, function_model
 from pydantic_ai import Agent
@@ -39,7 +46,13 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 from relayr.actions import acting
 from relayr.application import Application, open_storage
 from relayr.follow.config import Inbound
-from relayr.follow.events import BRIDGED_EVENTS, PUBLISHERS, MessagePosted, TurnEnded
+from relayr.follow.events import (
+    BRIDGED_EVENTS,
+    PUBLISHERS,
+    ArtifactChanged,
+    MessagePosted,
+    TurnEnded,
+)
 from relayr.ledger.port import WorkspaceKey
 from relayr.settings import Settings
 
@@ -48,12 +61,25 @@ FOLLOW_APP: Final = "tests.follow_app:create_follow_app"
 MAX_DEPTH: Final = 4
 """reflexr's depth limit in this application: a loop of rules stops after this many runs."""
 
+RECOUNT_CAP: Final = 3 * MAX_DEPTH
+"""The version past which ``loop:recount`` stops by itself: a loop the depth limit did not stop
+ends there, so a test of it fails rather than hangs."""
+
 ALLOWLIST: Final = """
 [default]
 threads = "chain"
 
 [rules."follow:ask"]
 turns = true
+
+[rules."edit:note"]
+direct = ["follow_counter", "follow_plan"]
+
+[rules."loop:count"]
+direct = ["follow_counter"]
+
+[rules."loop:recount"]
+direct = ["follow_counter"]
 """
 
 GATE_ARMED: Final = "follow-gate-armed"
@@ -77,6 +103,36 @@ class Looped(FollowTestEvent, name="looped"):
     """Makes ``loop:echo`` post its first echo in ``thread_id``."""
 
     thread_id: str
+
+
+class Noted(FollowTestEvent, name="noted"):
+    """Makes ``edit:note`` set the ``note`` of ``artifact_id``."""
+
+    artifact_id: str
+    note: str
+
+
+class Counted(FollowTestEvent, name="counted"):
+    """Makes ``loop:count`` start counting on ``artifact_id``."""
+
+    artifact_id: str
+
+
+class FollowCounter(Artifact):
+    """An artifact the rules write directly (the allowlist's ``direct``)."""
+
+    count: int = 0
+    note: str = ""
+
+
+class FollowDraft(FollowCounter):
+    """An artifact the rules propose changes to (not ``direct``)."""
+
+
+class FollowPlan(FollowCounter):
+    """An artifact agents must propose changes to, whatever the allowlist says."""
+
+    write_policy: ClassVar[WritePolicy] = "propose"
 
 
 RETRY: Final = RetryPolicy(max_attempts=5)
@@ -126,7 +182,36 @@ ECHO = Rule(
     retry=RETRY,
 )
 
-RULES: Final = (ASK, ANSWERED, TURN_ENDED, LOOP_START, ECHO)
+NOTE = Rule(
+    name="edit:note",
+    when=on(Noted),
+    then=run("note"),
+    ordering="none",
+    start="beginning",
+    retry=RETRY,
+)
+
+COUNT = Rule(
+    name="loop:count",
+    when=on(Counted),
+    then=run("count"),
+    ordering="none",
+    start="beginning",
+    retry=RETRY,
+)
+
+RECOUNT = Rule(
+    name="loop:recount",
+    when=on(ArtifactChanged).where(
+        F.author.matches(r"^external_agent:reflexr:loop:"), F.artifact_kind.eq("follow_counter")
+    ),
+    then=run("recount"),
+    ordering="none",
+    start="beginning",
+    retry=RETRY,
+)
+
+RULES: Final = (ASK, ANSWERED, TURN_ENDED, LOOP_START, ECHO, NOTE, COUNT, RECOUNT)
 
 
 async def ask(reaction: Reaction[Any]) -> dict[str, str]:
@@ -152,7 +237,35 @@ async def echo(reaction: Reaction[Any]) -> dict[str, str]:
     return {"message_id": await acting(reaction).notice(f"echo at depth {reaction.run.depth}")}
 
 
-ACTIONS: Final = {"ask": ask, "answered": answered, "turn_ended": turn_ended, "echo": echo}
+async def note(reaction: Reaction[Any]) -> dict[str, str | None]:
+    event = reaction.events[-1].event
+    assert isinstance(event, Noted)
+    return {"written": await acting(reaction).edit(event.artifact_id, "/note", event.note)}
+
+
+async def count(reaction: Reaction[Any]) -> dict[str, str | None]:
+    event = reaction.events[-1].event
+    assert isinstance(event, Counted)
+    return {"written": await acting(reaction).edit(event.artifact_id, "/count", 1)}
+
+
+async def recount(reaction: Reaction[Any]) -> dict[str, str | None]:
+    event = reaction.events[-1].event
+    assert isinstance(event, ArtifactChanged)
+    if event.version > RECOUNT_CAP:
+        return {"written": None}
+    return {"written": await acting(reaction).edit(event.artifact_id, "/count", event.version)}
+
+
+ACTIONS: Final = {
+    "ask": ask,
+    "answered": answered,
+    "turn_ended": turn_ended,
+    "echo": echo,
+    "note": note,
+    "count": count,
+    "recount": recount,
+}
 
 
 async def _answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
@@ -182,7 +295,7 @@ def agent() -> Agent[Session[None], str]:
 def rule_workspaces(storage: Any) -> RuleWorkspaces:
     return RuleWorkspaces(
         storage,
-        events=[Asked, Looped, *BRIDGED_EVENTS],
+        events=[Asked, Looped, Noted, Counted, *BRIDGED_EVENTS],
         publishers=PUBLISHERS,
         rules=RULES,
         max_depth=MAX_DEPTH,

@@ -1,203 +1,49 @@
 """The follower on real storage (in memory, SQLite, PostgreSQL), with runs executed in-process.
 
-Each test drives the whole loop in one process, as the dispatcher and a worker would: follow
-every workspace, evaluate the rules and hand due runs to the executor, let the agent's turns
-end, and again, until nothing moves. What it checks is what the stores hold afterwards: the
-bridged events in reflexr's log (once each, with their kind, chain and depth), the runs the
-rules made, the notices they posted, the followers' cursors and dead letters.
+Each test drives the whole loop in one process (:class:`tests.follow_world.World`), as the
+dispatcher and a worker would. What it checks is what the stores hold afterwards: the bridged
+events in reflexr's log (once each, with their kind, chain and depth), the runs the rules made,
+the notices they posted, the followers' cursors and dead letters.
 """
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from artifactr import ExternalAgentActor, UserActor
-from artifactr import Workspaces as ArtifactWorkspaces
+from artifactr import ExternalAgentActor
 from artifactr.core import MessagePosted as ArtifactrMessagePosted
-from reflexr import SourceActor
-from reflexr.core import Envelope
-from reflexr.workspace import Workspace as RuleWorkspace
 from sqlalchemy import event
 
-from relayr.application import Application, open_storage
 from relayr.batch import RunBatch
-from relayr.core.allowlist_toml import parse_allowlist
 from relayr.dispatch import Dispatcher
-from relayr.executor import execute_runs
-from relayr.follow.config import Inbound
 from relayr.follow.events import FOLLOWER, MessagePosted, TurnEnded
-from relayr.follow.follower import (
-    CAUSE_MISSING,
-    PROJECTION_FAILED,
-    Followed,
-    Followers,
-)
+from relayr.follow.follower import CAUSE_MISSING, PROJECTION_FAILED
 from relayr.follow.projections import PROJECTIONS, Projection, Source
-from relayr.follow.store import FollowStore, InMemoryFollowStore, SqlFollowStore
 from relayr.ledger.port import WorkspaceKey
-from relayr.runtime import Runtime
-from relayr.settings import Settings
-from tests.follow_app import (
-    ACTIONS,
-    ALLOWLIST,
-    MAX_DEPTH,
-    Asked,
-    Looped,
-    agent,
-    rule_workspaces,
+from tests.follow_app import MAX_DEPTH, Asked, Looped
+from tests.follow_world import (
+    KEY,
+    PERSON,
+    STORAGES,
+    TENANT,
+    WORKSPACE,
+    World,
+    opened,
+    storage_url,
 )
 
-TENANT, WORKSPACE = "acme", "ops"
-KEY = WorkspaceKey(TENANT, WORKSPACE)
-PERSON = UserActor(id="alice")
-SETTLE_ROUNDS = 60
 
-
-@dataclass
-class World:
-    """A runtime on real storage, its followers and dispatcher, and the loop that settles."""
-
-    runtime: Runtime
-    store: FollowStore
-    hooks: list[Any] = field(default_factory=list)
-    followers: Followers = field(init=False)
-    dispatcher: Dispatcher = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.followers = self.follower()
-
-        async def empty() -> int:
-            return 0
-
-        self.dispatcher = Dispatcher(self.runtime, queue_depth=empty, follow=False)
-
-    def follower(
-        self,
-        holder: str = "follower-1",
-        projections: dict[str, Projection] | None = None,
-        tenants: Sequence[str] = (TENANT,),
-    ) -> Followers:
-        application = self.runtime.application
-
-        async def after_publish(workspace: WorkspaceKey, seqs: Sequence[int]) -> None:
-            for hook in self.hooks:
-                await hook(workspace, seqs)
-
-        return Followers(
-            artifacts=application.artifacts,
-            rules=application.rules,
-            ledger=self.runtime.bridge.ledger,
-            store=self.store,
-            holder=holder,
-            lease_ttl_s=30.0,
-            inbound=Inbound(
-                tenants=tenants, projections=projections or {}, after_publish=after_publish
-            ),
-        )
-
-    async def thread(self) -> str:
-        handle = await self.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
-        return (await handle.create_thread("incident")).id
-
-    async def publish(self, *events: Any) -> None:
-        source = await self.rules()
-        await source.publish_many(list(events))
-
-    async def rules(self) -> RuleWorkspace:
-        return await self.runtime.application.rules.open(
-            TENANT, WORKSPACE, actor=SourceActor(name="test")
-        )
-
-    async def settle(self, *, follow: bool = True) -> Followed:
-        """Follow (unless told not to), dispatch and execute until a round moves nothing; what
-        following did."""
-        total = Followed()
-        queue: list[RunBatch] = []
-
-        async def enqueue(batch: RunBatch) -> None:
-            queue.append(batch)
-
-        for _ in range(SETTLE_ROUNDS):
-            followed = await self.followers.follow_all() if follow else Followed()
-            total += followed
-            queue.clear()
-            await self.dispatcher.pass_once(enqueue)
-            for batch in queue:
-                await execute_runs(
-                    self.runtime, batch.tenant_id, batch.workspace_id, list(batch.run_ids)
-                )
-            turns = await self.turns_ended()
-            if not (followed.read or queue or turns):
-                return total
-        raise AssertionError("the world did not settle")
-
-    async def turns_ended(self) -> int:
-        """Wait for the turns this runtime started; how many there were."""
-        bridge, runner = self.runtime.bridge, self.runtime.bridge.runner
-        assert runner is not None
-        waited = 0
-        while running := bridge.turns.running():
-            waited += len(running)
-            await asyncio.gather(*(handle.task for handle in running), return_exceptions=True)
-            await runner.drain()
-        return waited
-
-    async def bridged(self) -> list[Envelope]:
-        """The bridged events in reflexr's log, in order."""
-        handle = await self.rules()
-        return [
-            envelope
-            for envelope in await handle.read(after_seq=0, limit=10_000)
-            if envelope.event_type.startswith("artifactr:")
-        ]
-
-    async def notices(self, rule: str) -> list[str]:
-        handle = await self.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
-        return [
-            envelope.event.content
-            for envelope in await handle.read()
-            if isinstance(envelope.event, ArtifactrMessagePosted)
-            and envelope.actor.participant == f"external_agent:reflexr:{rule}"
-        ]
-
-
-@pytest.fixture(
-    params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
-)
+@pytest.fixture(params=STORAGES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "memory":
-        return "memory://"
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
-    url = request.getfixturevalue("postgres_url")
-    assert isinstance(url, str)
-    return url
+    return storage_url(request, tmp_path)
 
 
 @pytest.fixture
 async def world(database_url: str, tmp_path: Path) -> AsyncIterator[World]:
-    settings = Settings(home=tmp_path, database_url=database_url, turn_grace_s=5)
-    storage = await open_storage(settings)
-    application = Application(
-        artifacts=ArtifactWorkspaces(storage.artifacts),
-        rules=rule_workspaces(storage.rules),
-        actions=ACTIONS,
-        agent=agent(),
-        engines=storage.engines,
-    )
-    allowlists = parse_allowlist(ALLOWLIST)
-    runtime = await Runtime.start(
-        settings, role="worker", application=application, allowlists=lambda: allowlists
-    )
-    store = SqlFollowStore(storage.engine) if storage.engine else InMemoryFollowStore()
-    try:
-        yield World(runtime, store)
-    finally:
-        await runtime.aclose()
+    async with opened(database_url, tmp_path) as world:
+        yield world
 
 
 # ─── once each, with the kind ─────────────────────────────────────────────────

@@ -13,7 +13,7 @@ from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from relayr.core.errors import InvalidEmission
-from relayr.ledger import Cause, InMemoryLedger, Ledger, SqlLedger, WorkspaceKey
+from relayr.ledger import Cause, InMemoryLedger, Ledger, LedgerWrites, SqlLedger, WorkspaceKey
 from tests.builders import NOW, emission
 
 WORKSPACE = WorkspaceKey("tenant-1", "ws-1")
@@ -124,6 +124,52 @@ async def test_concurrent_causes_under_one_key_keep_exactly_one(ledger: Ledger) 
     assert len(set(kept)) == 1
     assert kept[0] in contenders
     assert await ledger.cause(WORKSPACE, "message", "msg-1") == kept[0]
+
+
+class _Refused(Exception):
+    """The storage write a block made was refused (a version conflict, say)."""
+
+
+async def test_a_block_that_raised_leaves_its_causes_to_the_caller(ledger: Ledger) -> None:
+    writes = LedgerWrites()
+    writes.cause(WORKSPACE, "revision", "art-1@2", FIRST)
+
+    with pytest.raises(_Refused):
+        async with ledger.alongside(writes):
+            raise _Refused()
+
+    assert not writes.committed
+    assert await ledger.cause(WORKSPACE, "revision", "art-1@2") is None
+
+
+async def test_a_block_that_completed_keeps_its_cause_over_one_that_raised(
+    ledger: Ledger,
+) -> None:
+    """Two runs edit one artifact from one version: the one that began first is refused after
+    the other's write committed, and the revision's cause is the other's."""
+    loser, winner = LedgerWrites(), LedgerWrites()
+    loser.cause(WORKSPACE, "revision", "art-1@2", FIRST)
+    winner.cause(WORKSPACE, "revision", "art-1@2", SECOND)
+    loser_in, winner_done = asyncio.Event(), asyncio.Event()
+
+    async def lose() -> None:
+        async with ledger.alongside(loser):
+            loser_in.set()
+            await winner_done.wait()
+            raise _Refused()
+
+    async def win() -> None:
+        await loser_in.wait()
+        async with ledger.alongside(winner):
+            pass
+        winner_done.set()
+
+    lost, won = await asyncio.gather(lose(), win(), return_exceptions=True)
+
+    assert isinstance(lost, _Refused)
+    assert won is None
+    assert (loser.committed, winner.committed) == (False, True)
+    assert await ledger.cause(WORKSPACE, "revision", "art-1@2") == SECOND
 
 
 async def test_emission_records_round_trip_oldest_first(ledger: Ledger) -> None:

@@ -13,10 +13,11 @@ with each envelope's id as the event's id, and only then moves its cursor. So:
   that lost it writes no cursor;
 - **causal chains continue**: an envelope a rule's run wrote (its author is
   ``external_agent:reflexr:<rule>``) continues that run's chain one step deeper, found in the
-  ledger under the write's id, where ADR-0023 commits it no later than the write itself; an
-  envelope a turn of the agent wrote continues the chain of the newest message its turn carried
-  out that a run posted (:func:`relayr.turns.newest_cause`, ADR-0026). Rules that answer each
-  other so stop at reflexr's depth limit. Anything else starts a chain of its own;
+  ledger under the write's id (a direct write to an artifact: the revision it made, ADR-0065),
+  where ADR-0023 commits it no later than the write itself; an envelope a turn of the agent
+  wrote continues the chain of the newest message its turn carried out that a run posted
+  (:func:`relayr.turns.newest_cause`, ADR-0026). Rules that answer each other so stop at
+  reflexr's depth limit. Anything else starts a chain of its own;
 - **a bad envelope does not stop the log**: one whose projection raises, that a rule wrote
   without a recorded cause (it would escape the depth limit), or that would go past the depth
   limit is dead-lettered with its reason, and the cursor moves past it. ``relayr follow
@@ -48,8 +49,8 @@ import structlog
 from artifactr import SystemActor as ArtifactSystemActor
 from artifactr import Workspace as ArtifactWorkspace
 from artifactr import Workspaces as ArtifactWorkspaces
+from artifactr.core import ArtifactArchived, ArtifactChanged, ArtifactCreated, Rejection, RunStarted
 from artifactr.core import Envelope as ArtifactrEnvelope
-from artifactr.core import Rejection, RunStarted
 from reflexr import Event
 from reflexr.core import Causation
 from reflexr.workspace import Access, Entry, WorkspaceRef
@@ -68,7 +69,7 @@ from relayr.follow.store import (
     Position,
     SqlFollowStore,
 )
-from relayr.ledger.port import Cause, Ledger, WorkspaceKey, WriteKind
+from relayr.ledger.port import Cause, Ledger, WorkspaceKey, WriteKind, revision_key
 from relayr.turns import newest_cause
 
 if TYPE_CHECKING:
@@ -682,9 +683,7 @@ class Followers:
         """The causes of the batch's rules' writes and of its turns' messages: one read."""
         wanted: set[tuple[WriteKind, str]] = set()
         for envelope in envelopes:
-            written = _rule_write(envelope)
-            if written is not None:
-                wanted.add(written)
+            wanted.update(_rule_write(envelope))
         for message_ids in turns.values():
             wanted.update(("message", message_id) for message_id in message_ids)
         if not wanted:
@@ -709,12 +708,10 @@ _RULE_WRITES: Final[Mapping[str, tuple[WriteKind, str]]] = {
     "message_posted": ("message", "message_id"),
     "thread_created": ("thread", "thread_id"),
     "proposal_created": ("proposal", "proposal_id"),
-    "artifact_created": ("artifact", "artifact_id"),
-    "artifact_changed": ("artifact", "artifact_id"),
-    "artifact_archived": ("artifact", "artifact_id"),
 }
-"""Under which key the ledger holds the cause of each kind of write a rule makes
-(:mod:`relayr.actions`): the kind of write and the event's field that names it."""
+"""Under which key the ledger holds the cause of each kind of write a rule makes by an id derived
+from its run (:mod:`relayr.actions`): the kind of write and the event's field that names it. A
+direct write to an artifact is found by the revision it made (:func:`_rule_write`)."""
 
 
 def is_rule_author(envelope: ArtifactrEnvelope) -> bool:
@@ -723,16 +720,27 @@ def is_rule_author(envelope: ArtifactrEnvelope) -> bool:
     return actor.kind == "external_agent" and actor.client_id.startswith(RULE_CLIENT_PREFIX)
 
 
-def _rule_write(envelope: ArtifactrEnvelope) -> tuple[WriteKind, str] | None:
-    """The ledger key of a rule's write, or None when a rule did not write the envelope (or
-    wrote something the ledger keeps no cause for)."""
+def _rule_write(envelope: ArtifactrEnvelope) -> tuple[tuple[WriteKind, str], ...]:
+    """The ledger keys of a rule's write, in the order to look them up; none when a rule did
+    not write the envelope (or wrote something the ledger keeps no cause for).
+
+    A direct write to an artifact is found by the revision it made, which one write alone makes
+    (ADR-0065); then by the artifact's id, under which relayr recorded such a write before, so a
+    write made then is still found (in the chain of the artifact's first writer, as then).
+    """
     if not is_rule_author(envelope):
-        return None
+        return ()
+    event = envelope.event
+    if isinstance(event, ArtifactCreated | ArtifactChanged | ArtifactArchived):
+        return (
+            ("revision", revision_key(event.artifact_id, event.version)),
+            ("artifact", event.artifact_id),
+        )
     found = _RULE_WRITES.get(event_type(envelope))
     if found is None:
-        return None
+        return ()
     kind, attribute = found
-    return kind, str(getattr(envelope.event, attribute))
+    return ((kind, str(getattr(event, attribute))),)
 
 
 def _cause_of(
@@ -746,8 +754,7 @@ def _cause_of(
     ``causes`` are the batch's causes by ledger key, ``messages`` those of messages by id.
     """
     if is_rule_author(envelope):
-        write = _rule_write(envelope)
-        found = None if write is None else causes.get(write)
+        found = next((causes[key] for key in _rule_write(envelope) if key in causes), None)
         return _MISSING if found is None else found
     if envelope.run_id is not None:
         return newest_cause(turns.get(envelope.run_id, ()), messages)

@@ -4,6 +4,12 @@ For tests and for a worker that needs no durable ledger. It keeps the same guara
 adapter, which the shared contract suite checks: the first cause under a key is kept (asyncio runs
 one task at a time and ``record_cause`` does not await, so contenders cannot interleave), and an
 emission record is stored as the JSON it was validated into and validated again when read.
+
+Memory has no transaction for a write's causes to ride, so :meth:`InMemoryLedger.alongside`
+keeps them before the block (a follower never meets the write without them) and behaves as the
+transaction would have: a block that raised takes back what it added, and a block that completed
+makes its causes the ones kept, over any that a block still running had added first (two runs'
+direct edits of one artifact from one version: the one artifactr refused loses, ADR-0065).
 """
 
 import json
@@ -22,6 +28,9 @@ class InMemoryLedger:
 
     def __init__(self) -> None:
         self._causes: dict[_CauseKey, Cause] = {}
+        self._kept_by: dict[_CauseKey, object] = {}
+        """Which block of :meth:`alongside` added or last completed with a cause, so a block
+        that raised takes back only its own."""
         self._emissions: dict[tuple[WorkspaceKey, str], dict[_EmissionKey, str]] = {}
 
     async def record_cause(
@@ -59,13 +68,27 @@ class InMemoryLedger:
 
     @asynccontextmanager
     async def alongside(self, writes: LedgerWrites) -> AsyncIterator[None]:
-        """Memory has no transaction to ride: the causes are kept before the block, the
-        emission records after it, if it raised nothing."""
+        """The causes kept before the block, taken back if it raises and kept over any other
+        if it completes; the emission records after it, if it raised nothing."""
         for record in writes.emissions:
             validate_emission(record.to_json())
+        block = object()
+        added: list[_CauseKey] = []
         for cause in writes.causes:
-            await self.record_cause(cause.workspace, cause.kind, cause.key, cause.cause)
-        yield
+            key = (cause.workspace, cause.kind, cause.key)
+            if key not in self._causes:
+                self._causes[key], self._kept_by[key] = cause.cause, block
+                added.append(key)
+        try:
+            yield
+        except BaseException:
+            for key in added:
+                if self._kept_by.get(key) is block:
+                    del self._causes[key], self._kept_by[key]
+            raise
+        for cause in writes.causes:
+            key = (cause.workspace, cause.kind, cause.key)
+            self._causes[key], self._kept_by[key] = cause.cause, block
         for record in writes.emissions:
             await self.record_emission(record)
         writes.committed = True

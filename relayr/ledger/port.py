@@ -1,9 +1,10 @@
 """The ledger port: which run is behind each write, and what each run emitted.
 
-Before relayr writes anything into artifactr, it records the run behind the write under the id
-the write will be found by (a message id, a proposal id, ...). The first record is kept: a
-retried attempt records the same cause again and changes nothing, so the ledger answers "which
-run made this?" for every write, even one whose attempt died right after it (ADR-0026).
+Before relayr writes anything into artifactr, it records the run behind the write under a key
+that write alone is found by (a message id, a proposal id, an artifact's revision, ...). The
+first record is kept: a retried attempt records the same cause again and changes nothing, so the
+ledger answers "which run made this?" for every write, even one whose attempt died right after
+it (ADR-0026).
 """
 
 from collections.abc import Collection, Sequence
@@ -13,7 +14,17 @@ from typing import Literal, Protocol
 
 from relayr.core.emissions import EmissionRecord
 
-type WriteKind = Literal["message", "thread", "proposal", "artifact"]
+type WriteKind = Literal["message", "thread", "proposal", "revision", "artifact"]
+"""What a cause's key names (ADR-0023): a message, a thread or a proposal by its id, derived from
+the run; a direct write to an artifact by the revision it made (:func:`revision_key`), since an
+artifact's id is shared by every run that writes it. ``artifact`` (a direct write by its
+artifact's id) is what relayr recorded before revisions, read only for writes made then."""
+
+
+def revision_key(artifact_id: str, version: int) -> str:
+    """The key of the write that made ``version`` of an artifact: one write makes each version,
+    so the key is that write's alone, whoever else writes the artifact (ADR-0065)."""
+    return f"{artifact_id}@{version}"
 
 
 @dataclass(frozen=True)
@@ -127,10 +138,12 @@ class Ledger(Protocol):
         """Commit ``writes`` with the storage write the block makes, in the same transaction.
 
         The causes are committed no later than the block's first commit: in that very
-        transaction when the ledger shares the storage's database, else before the block runs.
-        The emission records are committed with that transaction, or after a block that raised
-        nothing. After a block that raised, what did not commit is left for the caller
-        (``writes.committed`` says which).
+        transaction when the ledger shares the storage's database; the in-memory ledger keeps
+        them before the block runs. The emission records are committed with that transaction,
+        or after a block that raised nothing. After a block that raised, what did not commit is
+        left for the caller (``writes.committed`` says which) and is not in the ledger: so a
+        block that completed keeps its causes even where one that raised recorded first under
+        the same key (two runs' edits of one artifact from one version, ADR-0065).
 
         Raises:
             InvalidEmission: If a record does not validate, before the block runs.
