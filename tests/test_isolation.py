@@ -25,7 +25,7 @@ logged once as "write refused".
 import asyncio
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -112,11 +112,13 @@ async def _noop(reaction: Reaction[Any]) -> None:
 
 
 class RecordingLedger:
-    """The real ledger, and the workspaces every write to it named (a spy, not a fake)."""
+    """The real ledger, and the workspaces every write to it and every read of it named (a spy,
+    not a fake)."""
 
     def __init__(self, inner: Ledger) -> None:
         self.inner = inner
         self.written: list[WorkspaceKey] = []
+        self.read: list[WorkspaceKey] = []
 
     async def record_cause(
         self, workspace: WorkspaceKey, kind: WriteKind, key: str, cause: Cause
@@ -125,13 +127,21 @@ class RecordingLedger:
         return await self.inner.record_cause(workspace, kind, key, cause)
 
     async def cause(self, workspace: WorkspaceKey, kind: WriteKind, key: str) -> Cause | None:
+        self.read.append(workspace)
         return await self.inner.cause(workspace, kind, key)
+
+    async def causes(
+        self, workspace: WorkspaceKey, keys: Collection[tuple[WriteKind, str]]
+    ) -> dict[tuple[WriteKind, str], Cause]:
+        self.read.append(workspace)
+        return await self.inner.causes(workspace, keys)
 
     async def record_emission(self, record: EmissionRecord) -> None:
         self.written.append(WorkspaceKey(record.tenant_id, record.workspace_id))
         await self.inner.record_emission(record)
 
     async def emissions(self, workspace: WorkspaceKey, run_id: str) -> list[EmissionRecord]:
+        self.read.append(workspace)
         return await self.inner.emissions(workspace, run_id)
 
     async def write(self, writes: LedgerWrites) -> None:
@@ -508,6 +518,7 @@ async def scenario(kind: StorageKind, template: Path | None, story: Story) -> No
         await world.settle()
         before = {key: await world.log(key) for key in (HOME, NEIGHBOUR, STRANGER)}
         world.ledger.written.clear()
+        world.ledger.read.clear()
 
         done = Done()
         for attempt in range(1, story.attempts + 1):
@@ -521,6 +532,7 @@ async def scenario(kind: StorageKind, template: Path | None, story: Story) -> No
         for key in (NEIGHBOUR, STRANGER):
             assert await world.log(key) == before[key], f"{key} changed"
         assert set(world.ledger.written) <= {HOME}
+        assert set(world.ledger.read) <= {HOME}
         run_id = (await world.reaction(HOME, fired_in)).run_id
         for key in (NEIGHBOUR, STRANGER):
             twin = await world.records(key, run_id)
