@@ -157,6 +157,13 @@ def test_a_logged_in_action_needs_its_csrf_token_and_this_sites_origin(
     assert client.post(token_console.at("/run/skip"), {**form, "csrf": csrf})[0] == 403
 
 
+def test_a_body_too_large_is_refused_before_it_is_read(token_console: Console) -> None:
+    client = Client()
+    status, page, _ = client.post(token_console.at("/login"), {"token": "x" * (2 * 1024 * 1024)})
+    assert status == 413
+    assert "larger than 1048576 bytes" in page
+
+
 def test_every_response_forbids_scripts_and_frames_and_loopback_names_only(
     token_console: Console,
 ) -> None:

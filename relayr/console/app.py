@@ -60,6 +60,7 @@ from .security import (
     LOOPBACK_NAMES,
     SESSION_COOKIE,
     SESSION_MAX_AGE_S,
+    BodyLimit,
     SecurityHeaders,
     cross_site,
     new_csrf_token,
@@ -402,7 +403,8 @@ def create_app(console: Console) -> Starlette:
     ]
     routes.append(Mount("/static", StaticFiles(directory=STATIC), name="static"))
     middleware = [
-        Middleware(SecurityHeaders, allowed_hosts=LOOPBACK_NAMES if console.loopback else None)
+        Middleware(SecurityHeaders, allowed_hosts=LOOPBACK_NAMES if console.loopback else None),
+        Middleware(BodyLimit),
     ]
     if token is not None:
         middleware.append(
