@@ -28,8 +28,9 @@ from relayr.core.allowlist_toml import parse_allowlist
 from relayr.dispatch import Dispatcher
 from relayr.executor import execute_runs
 from relayr.follow.config import Inbound
-from relayr.follow.follower import Followed, Followers
+from relayr.follow.follower import Followers
 from relayr.follow.projections import Projection
+from relayr.follow.reports import Followed
 from relayr.follow.store import FollowStore, InMemoryFollowStore, SqlFollowStore
 from relayr.ledger.port import WorkspaceKey
 from relayr.runtime import Runtime

@@ -19,8 +19,8 @@ from sqlalchemy import event
 from relayr.batch import RunBatch
 from relayr.dispatch import Dispatcher
 from relayr.follow.events import FOLLOWER, MessagePosted, TurnEnded
-from relayr.follow.follower import CAUSE_MISSING, PROJECTION_FAILED
 from relayr.follow.projections import PROJECTIONS, Projection, Source
+from relayr.follow.reports import CAUSE_MISSING, PROJECTION_FAILED
 from relayr.ledger.port import WorkspaceKey
 from tests.follow_app import MAX_DEPTH, Asked, Looped
 from tests.follow_world import (

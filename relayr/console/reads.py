@@ -24,7 +24,8 @@ from reflexr.workspace import WorkspaceRef
 from relayr.allowlist_file import load_allowlist
 from relayr.broker import queue_depth
 from relayr.core.errors import InvalidAllowlist, Problem
-from relayr.follow.follower import Followers, WorkspaceStatus
+from relayr.follow.follower import Followers
+from relayr.follow.reports import WorkspaceStatus
 from relayr.health import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_TIMEOUT_S,

@@ -11,24 +11,17 @@ with each envelope's id as the event's id, and only then moves its cursor. So:
 - **one follower per workspace at a time**: a lease kept with the cursor
   (:mod:`relayr.follow.store`), taken or renewed every third of ``lease_ttl_s``; a follower
   that lost it writes no cursor;
-- **causal chains continue**: an envelope a rule's run wrote (its author is
-  ``external_agent:reflexr:<rule>``) continues that run's chain one step deeper, found in the
-  ledger under the write's id (a direct write to an artifact: the revision it made, ADR-0065),
-  where ADR-0023 commits it no later than the write itself; an envelope a turn of the agent
-  wrote continues the chain of the newest message its turn carried out that a run posted
-  (:func:`relayr.turns.newest_cause`, ADR-0026). Rules that answer each other so stop at
-  reflexr's depth limit. Anything else starts a chain of its own;
+- **causal chains continue**: an envelope a rule's run wrote, or a turn its message started,
+  continues that run's chain one step deeper (:mod:`relayr.follow.chains` finds which), so
+  rules that answer each other stop at reflexr's depth limit. Anything else starts a chain of
+  its own;
 - **a bad envelope does not stop the log**: one whose projection raises, that a rule wrote
   without a recorded cause (it would escape the depth limit), or that would go past the depth
   limit is dead-lettered with its reason, and the cursor moves past it. ``relayr follow
   dead-letters replay`` projects it again and publishes it under the same id.
 
-A batch is published in one reflexr transaction, whatever chains its envelopes belong to:
-``Workspace.publish_many`` stamps one causation on all its events, which would cost a
-transaction per rule run in a burst of rules' notices. The batch is appended through reflexr's
-storage ``Transaction`` the way ``publish_many`` appends (an id already in the log is skipped,
-a new workspace's rules start at its first event, the depth limit holds), after reflexr's
-``authorize`` allowed the follower to publish (ADR-0065).
+A batch is published in one reflexr transaction, whatever chains its envelopes belong to
+(:mod:`relayr.follow.batches`, ADR-0065).
 
 A pass over a workspace with nothing new costs one read of artifactr's log (and, every third of
 the lease, one statement that renews it); with new envelopes: the read, one read of the ledger
@@ -39,41 +32,26 @@ that moves the cursor (with the lease and the batch's dead letters).
 import asyncio
 import contextlib
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Final, Self
+from typing import Final, Self
 
 import structlog
 from artifactr import SystemActor as ArtifactSystemActor
 from artifactr import Workspace as ArtifactWorkspace
 from artifactr import Workspaces as ArtifactWorkspaces
-from artifactr.core import ArtifactArchived, ArtifactChanged, ArtifactCreated, Rejection, RunStarted
-from artifactr.core import Envelope as ArtifactrEnvelope
-from reflexr import Event
-from reflexr.core import Causation
-from reflexr.workspace import Access, Entry, WorkspaceRef
 from reflexr.workspace import Workspaces as RuleWorkspaces
-from reflexr.workspace.workspace import meet_rules
 
 from relayr import telemetry
 from relayr.application import Application
+from relayr.follow.batches import Batches
 from relayr.follow.config import Inbound
-from relayr.follow.events import FOLLOWER
-from relayr.follow.projections import PROJECTIONS, Projection, Source, event_type
-from relayr.follow.store import (
-    DeadLetter,
-    FollowStore,
-    InMemoryFollowStore,
-    Position,
-    SqlFollowStore,
-)
-from relayr.ledger.port import Cause, Ledger, WorkspaceKey, WriteKind, revision_key
-from relayr.turns import newest_cause
-
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span
+from relayr.follow.projections import PROJECTIONS
+from relayr.follow.reports import Followed, Replayed, WorkspaceStatus
+from relayr.follow.store import FollowStore, InMemoryFollowStore, Position, SqlFollowStore
+from relayr.ledger.port import Ledger, WorkspaceKey
 
 logger = structlog.get_logger("relayr.follow")
 
@@ -93,121 +71,12 @@ read per tenant, and a new workspace waits at most this long for its first bridg
 WORKSPACE_PAGE: Final = 100
 """How many artifactr workspaces of a tenant one listing call returns."""
 
-TURNS_KEPT: Final = 10_000
-"""How many turns' message ids a follower keeps from the ``run_started`` it read: the turn's
-later envelopes (the reply, its end) usually follow in the same or the next batch."""
-
-TURN_LOOKUP_PAGE: Final = 200
-TURN_LOOKUP_PAGES: Final = 10
-"""When a turn's ``run_started`` is not kept (a restarted follower, a very long turn), its
-thread is read backwards for it, this many envelopes at a time, at most this many times; a
-turn whose start is further back continues no chain."""
-
 ARTIFACTR_FOLLOWER: Final = ArtifactSystemActor(name="relayr-follower")
 """Who lists artifactr's workspaces and reads their logs for the followers."""
-
-RULE_CLIENT_PREFIX: Final = "reflexr:"
-"""The client id of a rule's participant in artifactr: ``reflexr:<rule>`` (relayr.actions)."""
-
-PROJECTION_FAILED: Final = "projection_failed"
-"""A dead letter's reason: the projection raised (or returned something else than an event)."""
-
-CAUSE_MISSING: Final = "cause_missing"
-"""A dead letter's reason: a rule wrote the envelope but the ledger holds no cause for it;
-bridged as a chain of its own, it would escape the depth limit."""
-
-DEPTH_EXCEEDED: Final = "depth_exceeded"
-"""A dead letter's reason: the envelope would continue its chain past reflexr's depth limit,
-which reflexr refuses to publish."""
 
 
 def utc_now() -> datetime:
     return datetime.now(UTC)
-
-
-@dataclass
-class Followed:
-    """What following did, summed over workspaces and batches.
-
-    Attributes:
-        workspaces: Workspaces followed (their lease held).
-        elsewhere: Workspaces another follower holds.
-        failed: Workspaces whose pass raised (logged; the next pass starts over).
-        read: Envelopes read from artifactr.
-        bridged: Events appended to reflexr.
-        duplicates: Events already in reflexr's log (published before the cursor moved).
-        skipped: Envelopes no projection bridges (threads, turn starts, tool calls, ...).
-        dead: Envelopes dead-lettered.
-        batches: Batches published.
-        behind: Workspaces left with more to bridge after :data:`BATCHES_PER_PASS` batches.
-    """
-
-    workspaces: int = 0
-    elsewhere: int = 0
-    failed: int = 0
-    read: int = 0
-    bridged: int = 0
-    duplicates: int = 0
-    skipped: int = 0
-    dead: int = 0
-    batches: int = 0
-    behind: int = 0
-
-    def __iadd__(self, other: "Followed") -> Self:
-        for name in (f.name for f in fields(self)):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        return self
-
-
-@dataclass(frozen=True)
-class WorkspaceStatus:
-    """Where a workspace's follower stands.
-
-    Attributes:
-        workspace: The workspace.
-        cursor: The last artifactr seq bridged (0: none yet).
-        head: artifactr's last seq: ``head - cursor`` envelopes wait.
-        holder: Who holds its lease (maybe lapsed), or None.
-        held_until: When that lease lapses.
-        dead_letters: Its dead letters waiting for a replay.
-    """
-
-    workspace: WorkspaceKey
-    cursor: int
-    head: int
-    holder: str | None
-    held_until: datetime | None
-    dead_letters: int
-
-    @property
-    def lag(self) -> int:
-        return max(self.head - self.cursor, 0)
-
-
-@dataclass(frozen=True)
-class Replayed:
-    """What a replay of dead letters did.
-
-    Attributes:
-        bridged: Envelope ids bridged now (appended, or found in reflexr's log already).
-        failed: Dead letters that failed again, with their new reason and error.
-        unknown: Envelope ids asked for that are not waiting dead letters of the workspace.
-    """
-
-    bridged: tuple[str, ...]
-    failed: tuple[DeadLetter, ...]
-    unknown: tuple[str, ...]
-
-
-@dataclass
-class _Prepared:
-    """A batch made ready to publish: the entries, and what was left out."""
-
-    entries: list[Entry] = field(default_factory=list)
-    dead: list[DeadLetter] = field(default_factory=list)
-    skipped: int = 0
-    spans: list["Span"] = field(default_factory=list)
-    """With tracing on, a ``relayr.bridge`` span per entry, ended once the batch is published."""
 
 
 @dataclass
@@ -217,13 +86,6 @@ class _Held:
 
     cursor: int
     renewed_at: float
-
-
-class _CauseMissing:
-    """A rule's write whose cause the ledger does not hold."""
-
-
-_MISSING: Final = _CauseMissing()
 
 
 class Followers:
@@ -256,20 +118,15 @@ class Followers:
     ) -> None:
         self._artifacts = artifacts
         self._rules = rules
-        self._ledger = ledger
         self.store: Final = store
         self._holder = holder
         self._lease_ttl_s = lease_ttl_s
         self._inbound = inbound or Inbound()
-        self._projections: Mapping[str, Projection] = {
-            **PROJECTIONS,
-            **self._inbound.projections,
-        }
         self._clock = clock
+        self._batches = Batches(rules, ledger, {**PROJECTIONS, **self._inbound.projections}, clock)
         self._monotonic = monotonic
         self._held: dict[WorkspaceKey, _Held] = {}
         self._handles: dict[WorkspaceKey, ArtifactWorkspace] = {}
-        self._turns: OrderedDict[tuple[WorkspaceKey, str], tuple[str, ...]] = OrderedDict()
         self._listed: list[WorkspaceKey] | None = None
         self._listed_at = 0.0
 
@@ -366,9 +223,9 @@ class Followers:
             if not envelopes:
                 break
             done.read += len(envelopes)
-            prepared = await self._prepare(key, handle, envelopes)
+            prepared = await self._batches.prepare(key, handle, envelopes)
             try:
-                bridged, duplicates = await self._publish(key, prepared.entries)
+                bridged, duplicates = await self._batches.publish(key, prepared.entries)
             finally:
                 for span in prepared.spans:
                     telemetry.end(span)
@@ -490,8 +347,8 @@ class Followers:
             for envelope in await handle.read(after_seq=letter.seq - 1, limit=1)
             if envelope.id == letter.envelope_id
         ]
-        prepared = await self._prepare(key, handle, envelopes)
-        await self._publish(key, prepared.entries)
+        prepared = await self._batches.prepare(key, handle, envelopes)
+        await self._batches.publish(key, prepared.entries)
         failed_ids = {letter.envelope_id for letter in prepared.dead}
         bridged = tuple(
             letter.envelope_id for letter in chosen if letter.envelope_id not in failed_ids
@@ -531,242 +388,6 @@ class Followers:
                 key.tenant_id, key.workspace_id, actor=ARTIFACTR_FOLLOWER
             )
         return handle
-
-    async def _prepare(
-        self,
-        key: WorkspaceKey,
-        handle: ArtifactWorkspace,
-        envelopes: Sequence[ArtifactrEnvelope],
-    ) -> _Prepared:
-        """Project each envelope and find the chain it continues; what fails is dead."""
-        for envelope in envelopes:
-            if isinstance(envelope.event, RunStarted):
-                self._keep_turn(key, envelope.event.run_id, envelope.event.message_ids)
-        turns = await self._turn_messages(key, handle, envelopes)
-        causes = await self._causes(key, envelopes, turns)
-        messages = {write: cause for (kind, write), cause in causes.items() if kind == "message"}
-        prepared = _Prepared()
-        for envelope in envelopes:
-            projection = self._projections.get(event_type(envelope))
-            if projection is None:
-                prepared.skipped += 1
-                continue
-            source = Source(envelope, None if envelope.run_id is None else turns[envelope.run_id])
-            try:
-                event = projection(source)
-                if event is not None and not isinstance(event, Event):
-                    raise TypeError(f"the projection returned a {type(event).__name__}")
-            except Exception as error:
-                prepared.dead.append(
-                    self._dead(key, envelope, PROJECTION_FAILED, f"{type(error).__name__}: {error}")
-                )
-                continue
-            if event is None:
-                prepared.skipped += 1
-                continue
-            cause = _cause_of(envelope, causes, messages, turns)
-            if isinstance(cause, _CauseMissing):
-                prepared.dead.append(
-                    self._dead(
-                        key,
-                        envelope,
-                        CAUSE_MISSING,
-                        f"{envelope.actor.participant} wrote envelope {envelope.id}, "
-                        "and the ledger holds no cause for it",
-                    )
-                )
-                continue
-            causation = None
-            if cause is not None:
-                causation = Causation(
-                    firing_id=cause.firing_id, run_id=cause.run_id, depth=cause.depth + 1
-                )
-                if causation.depth > self._rules.max_depth:
-                    prepared.dead.append(
-                        self._dead(
-                            key,
-                            envelope,
-                            DEPTH_EXCEEDED,
-                            f"it continues run {cause.run_id}'s chain at depth "
-                            f"{causation.depth}, beyond the limit of {self._rules.max_depth}",
-                        )
-                    )
-                    continue
-            # the bridged event continues the envelope's trace, through a span of the follower
-            span = telemetry.bridge_span(
-                key.tenant_id, key.workspace_id, envelope, event.event_type
-            )
-            if span is not None:
-                prepared.spans.append(span)
-            prepared.entries.append(
-                Entry(
-                    id=envelope.id,
-                    actor=FOLLOWER,
-                    event=event,
-                    causation=causation,
-                    correlation_id=None if cause is None else cause.correlation_id,
-                    traceparent=telemetry.traceparent_of(span),
-                )
-            )
-        return prepared
-
-    async def _publish(self, key: WorkspaceKey, entries: Sequence[Entry]) -> tuple[int, int]:
-        """Append the entries whose ids are not in reflexr's log yet, in one transaction, as
-        ``Workspace.publish_many`` appends; return how many were appended and found."""
-        if not entries:
-            return 0, 0
-        rules = await self._rules.open(key.tenant_id, key.workspace_id, actor=FOLLOWER)
-        await rules.check(Access(action="reflexr:publish"))
-        ref = WorkspaceRef(key.tenant_id, key.workspace_id)
-        async with self._rules.storage.transaction(ref) as transaction:
-            await meet_rules(transaction, self._rules.rules.values())
-            fresh = [entry for entry in entries if await transaction.envelope(entry.id) is None]
-            if fresh:
-                await transaction.append(fresh)
-        return len(fresh), len(entries) - len(fresh)
-
-    async def _turn_messages(
-        self,
-        key: WorkspaceKey,
-        handle: ArtifactWorkspace,
-        envelopes: Iterable[ArtifactrEnvelope],
-    ) -> dict[str, tuple[str, ...]]:
-        """The message ids of the turn of every envelope a turn wrote, by turn id."""
-        found: dict[str, tuple[str, ...]] = {}
-        for envelope in envelopes:
-            turn = envelope.run_id
-            if turn is None or turn in found:
-                continue
-            kept = self._turns.get((key, turn))
-            if kept is None:
-                thread_id = envelope.thread_id or await _thread_of(handle, turn)
-                if thread_id is not None:
-                    kept = await self._find_turn(handle, thread_id, turn, envelope.seq)
-                    self._keep_turn(key, turn, kept)
-            found[turn] = kept or ()
-        return found
-
-    async def _find_turn(
-        self, handle: ArtifactWorkspace, thread_id: str, turn: str, before_seq: int
-    ) -> tuple[str, ...]:
-        """Read a thread backwards from ``before_seq`` for the ``run_started`` of ``turn``."""
-        for _ in range(TURN_LOOKUP_PAGES):
-            page = await handle.read(
-                threads={thread_id}, before_seq=before_seq, last=TURN_LOOKUP_PAGE
-            )
-            for envelope in reversed(page):
-                event = envelope.event
-                if isinstance(event, RunStarted) and event.run_id == turn:
-                    return tuple(event.message_ids)
-            if len(page) < TURN_LOOKUP_PAGE:
-                break
-            before_seq = page[0].seq
-        logger.warning(
-            "a turn's start was not found: its envelopes start chains of their own",
-            thread_id=thread_id,
-            turn_id=turn,
-        )
-        return ()
-
-    def _keep_turn(self, key: WorkspaceKey, turn: str, message_ids: Sequence[str]) -> None:
-        self._turns[(key, turn)] = tuple(message_ids)
-        self._turns.move_to_end((key, turn))
-        while len(self._turns) > TURNS_KEPT:
-            self._turns.popitem(last=False)
-
-    async def _causes(
-        self,
-        key: WorkspaceKey,
-        envelopes: Iterable[ArtifactrEnvelope],
-        turns: Mapping[str, Sequence[str]],
-    ) -> dict[tuple[WriteKind, str], Cause]:
-        """The causes of the batch's rules' writes and of its turns' messages: one read."""
-        wanted: set[tuple[WriteKind, str]] = set()
-        for envelope in envelopes:
-            wanted.update(_rule_write(envelope))
-        for message_ids in turns.values():
-            wanted.update(("message", message_id) for message_id in message_ids)
-        if not wanted:
-            return {}
-        return await self._ledger.causes(key, wanted)
-
-    def _dead(
-        self, key: WorkspaceKey, envelope: ArtifactrEnvelope, reason: str, error: str
-    ) -> DeadLetter:
-        return DeadLetter(
-            workspace=key,
-            envelope_id=envelope.id,
-            seq=envelope.seq,
-            event_type=event_type(envelope),
-            reason=reason,
-            error=error,
-            dead_at=self._clock(),
-        )
-
-
-_RULE_WRITES: Final[Mapping[str, tuple[WriteKind, str]]] = {
-    "message_posted": ("message", "message_id"),
-    "thread_created": ("thread", "thread_id"),
-    "proposal_created": ("proposal", "proposal_id"),
-}
-"""Under which key the ledger holds the cause of each kind of write a rule makes by an id derived
-from its run (:mod:`relayr.actions`): the kind of write and the event's field that names it. A
-direct write to an artifact is found by the revision it made (:func:`_rule_write`)."""
-
-
-def is_rule_author(envelope: ArtifactrEnvelope) -> bool:
-    """Whether a rule's run wrote the envelope: its author is ``external_agent:reflexr:<rule>``."""
-    actor = envelope.actor
-    return actor.kind == "external_agent" and actor.client_id.startswith(RULE_CLIENT_PREFIX)
-
-
-def _rule_write(envelope: ArtifactrEnvelope) -> tuple[tuple[WriteKind, str], ...]:
-    """The ledger keys of a rule's write, in the order to look them up; none when a rule did
-    not write the envelope (or wrote something the ledger keeps no cause for).
-
-    A direct write to an artifact is found by the revision it made, which one write alone makes
-    (ADR-0065); then by the artifact's id, under which relayr recorded such a write before, so a
-    write made then is still found (in the chain of the artifact's first writer, as then).
-    """
-    if not is_rule_author(envelope):
-        return ()
-    event = envelope.event
-    if isinstance(event, ArtifactCreated | ArtifactChanged | ArtifactArchived):
-        return (
-            ("revision", revision_key(event.artifact_id, event.version)),
-            ("artifact", event.artifact_id),
-        )
-    found = _RULE_WRITES.get(event_type(envelope))
-    if found is None:
-        return ()
-    kind, attribute = found
-    return ((kind, str(getattr(event, attribute))),)
-
-
-def _cause_of(
-    envelope: ArtifactrEnvelope,
-    causes: Mapping[tuple[WriteKind, str], Cause],
-    messages: Mapping[str, Cause],
-    turns: Mapping[str, Sequence[str]],
-) -> Cause | _CauseMissing | None:
-    """The run whose chain the envelope continues; None for a chain of its own.
-
-    ``causes`` are the batch's causes by ledger key, ``messages`` those of messages by id.
-    """
-    if is_rule_author(envelope):
-        found = next((causes[key] for key in _rule_write(envelope) if key in causes), None)
-        return _MISSING if found is None else found
-    if envelope.run_id is not None:
-        return newest_cause(turns.get(envelope.run_id, ()), messages)
-    return None
-
-
-async def _thread_of(handle: ArtifactWorkspace, turn: str) -> str | None:
-    """The thread of a turn, for an envelope of it that names none (an artifact's change)."""
-    try:
-        return (await handle.run(turn)).thread_id
-    except Rejection:
-        return None
 
 
 def _order(key: WorkspaceKey) -> tuple[str, str]:

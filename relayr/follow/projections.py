@@ -10,7 +10,7 @@ calls, ...) is not bridged.
 
 An application adds or replaces projections by type (:class:`relayr.follow.config.Inbound`); a
 projection that raises dead-letters its envelope with the error as its reason, and the follower
-goes on (:mod:`relayr.follow.follower`). A projection must be pure: the follower may project the
+goes on (:mod:`relayr.follow.batches`). A projection must be pure: the follower may project the
 same envelope again (a restart, a replay), and publishes it under the envelope's id whatever it
 returns the second time.
 """
