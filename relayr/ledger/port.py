@@ -138,8 +138,11 @@ class Ledger(Protocol):
         """Commit ``writes`` with the storage write the block makes, in the same transaction.
 
         The causes are committed no later than the block's first commit: in that very
-        transaction when the ledger shares the storage's database; the in-memory ledger keeps
-        them before the block runs. The emission records are committed with that transaction,
+        transaction when the ledger shares the storage's engine (relayr's own wiring); the
+        in-memory ledger keeps them before the block runs. A SQL ledger on an engine of its own
+        has no transaction to ride and writes them after a block that raised nothing, so a
+        reader may meet the write before its cause (the follower dead-letters it
+        ``cause_missing``, to replay). The emission records are committed with that transaction,
         or after a block that raised nothing. After a block that raised, what did not commit is
         left for the caller (``writes.committed`` says which) and is not in the ledger: so a
         block that completed keeps its causes even where one that raised recorded first under
