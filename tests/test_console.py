@@ -10,6 +10,7 @@ parameters are one line naming them (400). The browser tests on real workers are
 
 import html
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -252,3 +253,11 @@ def test_a_port_in_use_is_bad_input(token_console: Console, tmp_path: Path) -> N
     refused = subprocess.run(probe, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1
     assert "console unhealthy" in refused.stderr
+
+
+def test_sigterm_stops_the_server_then_closes_the_runtime(tmp_path: Path) -> None:
+    with running_console(environment_of(tmp_path), tmp_path) as console:
+        console.process.signal(signal.SIGTERM)
+        assert console.process.wait(60) == 0, console.process.log()
+    log = console.process.log()
+    assert log.index("Finished server process") < log.index("runtime closed"), log

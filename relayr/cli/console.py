@@ -91,9 +91,23 @@ def _serve(settings: "Settings", listener: socket.socket, access: str) -> None:
     enqueue = enqueuer(settings)
 
     async def serve(runtime: "Runtime") -> None:
+        import asyncio
+        import contextlib
+        import signal
+        from collections.abc import Iterator
+
         import uvicorn
 
         from relayr.console.app import Console, create_app
+
+        class Server(uvicorn.Server):
+            """uvicorn's server, stopped by this command's signal handlers: uvicorn's own raise
+            the signal again once the server stopped, which would end the process before its
+            runtime closes."""
+
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
 
         app = create_app(Console(runtime, enqueue, loopback=loopback))
         config = uvicorn.Config(
@@ -103,6 +117,16 @@ def _serve(settings: "Settings", listener: socket.socket, access: str) -> None:
             server_header=False,
             proxy_headers=False,
         )
+        server = Server(config)
+
+        def stop() -> None:
+            # a second Ctrl-C or SIGTERM stops waiting for open connections
+            server.force_exit = server.should_exit
+            server.should_exit = True
+
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop)
         click.echo(f"relayr console on http://{shown}:{bound_port}/ ({access})")
         if not loopback:
             click.echo(
@@ -110,7 +134,7 @@ def _serve(settings: "Settings", listener: socket.socket, access: str) -> None:
                 "can read runs and threads; serve it behind TLS and your access control",
                 err=True,
             )
-        await uvicorn.Server(config).serve(sockets=[listener])
+        await server.serve(sockets=[listener])
 
     in_runtime(settings, serve)
 
