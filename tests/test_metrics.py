@@ -416,26 +416,31 @@ def test_a_relayr_worker_counts_a_small_load(tmp_path: Path, redis_url: str) -> 
     try:
         worker.ready()
         result = asyncio.run(run_scenario(settings, plan, timeout_s=180))
-        assert result.summary["problems"] == []
+        summary = result.summary
+        assert summary["problems"] == []
+        # the plan's runs, and the example's inbound rules' runs on what they wrote
+        posted = summary["notices"] + summary["messages"]
 
         def finished(samples: Samples) -> bool:
             return (
                 sample(samples, "relayr_emissions_total", kind="notice", outcome="posted")
                 + sample(samples, "relayr_emissions_total", kind="message", outcome="posted")
-                >= plan.runs
+                >= posted
             )
 
         samples = wait_for(port, finished)
         succeeded = sum(
-            sample(samples, "relayr_runs_executed_total", rule=rule, outcome="succeeded")
-            for rule in ("ops:deploy-notice", "ops:incident-triage")
+            value
+            for (name, labels), value in samples.items()
+            if name == "relayr_runs_executed_total" and ("outcome", "succeeded") in labels
         )
-        assert succeeded == plan.runs
-        assert sample(samples, "relayr_emissions_total", kind="notice", outcome="posted") == 6
+        assert succeeded == summary["runs_succeeded"] > plan.runs
+        notices = sample(samples, "relayr_emissions_total", kind="notice", outcome="posted")
+        assert notices == summary["notices"]
         assert sample(samples, "relayr_emissions_total", kind="message", outcome="posted") == 2
-        assert sample(samples, "relayr_turns_started_total") == 2
+        assert sample(samples, "relayr_turns_started_total") == summary["turns"] == 2
         assert sample(samples, "relayr_refusals_total", reason="not_allowed") == 0
-        assert sample(samples, "relayr_dispatch_lag_seconds_count") == plan.runs
+        assert sample(samples, "relayr_dispatch_lag_seconds_count") == summary["runs_succeeded"]
         assert (
             sample(samples, "relayr_attempt_duration_seconds_count", rule="ops:deploy-notice") == 6
         )
