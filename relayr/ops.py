@@ -271,6 +271,20 @@ async def retry(
     return [await _guarded(row, retry_one) for row in targets]
 
 
+def not_enqueued(results: Sequence[Done], broker: str) -> str | None:
+    """One line for ops when a retry reached reflexr but not the broker ``broker`` (already
+    redacted), naming each run left for the dispatcher (ADR-0034); None when all went through."""
+    left = [result for result in results if result.enqueued is False]
+    if not left:
+        return None
+    listed = ", ".join(f"{result.run_id} ({result.workspace})" for result in left)
+    them = "it" if len(left) == 1 else "them"
+    return (
+        f"broker {broker} is unavailable: retried in reflexr but not enqueued: {listed}; "
+        f"the dispatcher will enqueue {them} once it reaches the broker"
+    )
+
+
 async def cancel(rules: Workspaces, targets: Sequence[RunRow], *, reason: str) -> list[Done]:
     """reflexr's operator cancel of each run; a running attempt is fenced off."""
 

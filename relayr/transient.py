@@ -28,14 +28,16 @@ BACKOFF_S: Final = (0.05, 0.5)
 def is_transient(error: BaseException) -> bool:
     """Whether an error may pass if the same step is tried again.
 
-    A lost or refused database connection, SQLite's ``database is locked`` and an unreachable
-    broker are; a constraint or a programming error is not, and neither is anything that is
-    not the database's or the broker's.
+    A lost, refused or timed-out connection (to the database or the broker), SQLite's
+    ``database is locked`` and an unreachable broker are; a constraint, an encoding or a
+    programming error is not, and neither is anything that is not the database's or the
+    broker's.
     """
     if isinstance(error, DBAPIError) and error.connection_invalidated:
         return True
     return isinstance(
-        error, OperationalError | InterfaceError | ConnectionError | BrokerUnreachable
+        error,
+        OperationalError | InterfaceError | ConnectionError | TimeoutError | BrokerUnreachable,
     )
 
 

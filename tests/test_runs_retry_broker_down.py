@@ -23,7 +23,8 @@ import pytest
 from kombu.exceptions import EncodeError
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from relayr.cli.runs import BROKER_TRIES, is_transient_broker_fault
+from relayr.cli.runs import BROKER_TRIES
+from relayr.transient import is_transient
 from tests.faults.private_redis import PrivateRedis, private_redis
 from tests.ops_app import FIXED
 from tests.test_ops_worker import GRANTED, WHERE, dispatching, ended, relayr, runs
@@ -50,7 +51,7 @@ the few seconds the tries take, far below a retry loop that never gives up."""
     ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else str(value),
 )
 def test_only_a_connection_fault_is_tried_again(error: BaseException, transient: bool) -> None:
-    assert is_transient_broker_fault(error) is transient
+    assert is_transient(error) is transient
 
 
 @pytest.fixture

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any, Final
 
 import click
 
-from relayr.cli.helpers import EXIT_OK, echo_json, run_async
+from relayr.cli.helpers import (
+    EXIT_OK,
+    WORKER_STOP_MARGIN_S,
+    concurrency_option,
+    echo_json,
+    run_async,
+)
 
 if TYPE_CHECKING:
     import asyncio
@@ -27,9 +33,6 @@ if TYPE_CHECKING:
 
 EXIT_COUNTS_OFF: Final = 1
 """``relayr demo``: a count is off (a run did not succeed, a notice is missing or twice...)."""
-
-WORKER_STOP_MARGIN_S: Final = 15.0
-"""Beyond the turns' grace, how long the demo's worker may take to stop before it is killed."""
 
 type Serve = Callable[["Runtime", "asyncio.Event"], Coroutine[Any, Any, None]]
 
@@ -171,14 +174,7 @@ def run_demo(*, runs: int, concurrency: int, timeout_s: float, as_json: bool) ->
     show_default=True,
     help="How many events to publish (a quarter are incidents, the rest deploys).",
 )
-@click.option(
-    "--concurrency",
-    "-c",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="The worker's pool processes.",
-)
+@concurrency_option("The worker's pool processes.")
 @click.option(
     "--timeout",
     "timeout_s",

@@ -21,12 +21,12 @@ module (ADR-0050).
 """
 
 import json
-import re
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn
 
 import click
 
+from relayr.core import parsing
 from relayr.core.errors import InvalidAllowlist, InvalidApplication, InvalidSettings, RelayrError
 
 if TYPE_CHECKING:
@@ -47,11 +47,6 @@ EXIT_BAD_INPUT: Final = 2
 """Every command: arguments, settings, allowlist or application that cannot be used; nothing
 was written. A worker exits with it too, which ``relayr run`` reads as "cannot start"."""
 
-ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
-"""What a tenant, workspace, thread, run or event id typed on the command line may look like:
-it keeps shell accidents (spaces, slashes, empty parts) out of the store."""
-
-
 REFUSED_INPUTS: Final = (InvalidSettings, InvalidApplication, InvalidAllowlist)
 """relayr's refusals of what a command was given to work with: bad input, wherever raised."""
 
@@ -60,6 +55,24 @@ class BadInput(click.ClickException):
     """Raised when a command's input or settings cannot be used: one line, exit code 2."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+WORKER_STOP_MARGIN_S: Final = 15.0
+"""Beyond the turns' grace, how long a worker subprocess (``relayr run``'s, the demo's) may take
+to stop before it is killed (its pool processes close their runtimes one after the other)."""
+
+
+def concurrency_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--concurrency/-c``: how many pool processes a worker runs (``worker``, ``run``,
+    ``demo``), at least one, two by default."""
+    return click.option(
+        "--concurrency",
+        "-c",
+        type=click.IntRange(min=1),
+        default=2,
+        show_default=True,
+        help=help,
+    )
 
 
 def fail(message: str) -> NoReturn:
@@ -83,13 +96,10 @@ def parse_workspace(value: str, *, what: str = "TENANT/WORKSPACE") -> Where:
     Raises:
         BadInput: Naming the value, when it is not two ids joined by one ``/``.
     """
-    tenant, slash, workspace = value.partition("/")
-    if not slash or not ID_PATTERN.fullmatch(tenant) or not ID_PATTERN.fullmatch(workspace):
-        fail(
-            f"{what} {value!r} is malformed: expected two ids joined by '/', "
-            "such as acme/ops (letters, digits and . _ : @ -)"
-        )
-    return Where(tenant, workspace)
+    try:
+        return Where(*parsing.parse_workspace(what, value))
+    except parsing.Unreadable as unreadable:
+        fail(unreadable.message)
 
 
 def parse_optional_workspace(value: str | None, *, what: str = "--workspace") -> Where | None:
@@ -103,9 +113,10 @@ def parse_id(kind: str, value: str) -> str:
     Raises:
         BadInput: Naming the value, when it is not an id.
     """
-    if not ID_PATTERN.fullmatch(value):
-        fail(f"{kind} {value!r} is malformed: letters, digits and . _ : @ - only")
-    return value
+    try:
+        return parsing.parse_id(kind, value)
+    except parsing.Unreadable as unreadable:
+        fail(unreadable.message)
 
 
 def load_settings(*, log_level: str | None = "WARNING", role: "Role | None" = "cli") -> "Settings":

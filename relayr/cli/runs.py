@@ -16,7 +16,6 @@ ADR-0050); ``show`` reads turns in artifactr and records in the ledger, so it st
 runtime.
 """
 
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final
@@ -33,6 +32,7 @@ from relayr.cli.helpers import (
     parse_optional_workspace,
     run_async,
 )
+from relayr.core import parsing
 
 if TYPE_CHECKING:
     from reflexr.workspace import Workspaces
@@ -42,8 +42,6 @@ if TYPE_CHECKING:
     from relayr.settings import Settings
 
 STATUSES: Final = ("pending", "running", "retrying", "succeeded", "dead", "cancelled", "skipped")
-_DURATION: Final = re.compile(r"(\d+)([smhd])")
-_UNITS: Final = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
 BROKER_TRIES: Final = 3
 """How often ``runs retry`` hands a run to the broker before it says the broker is unavailable.
@@ -55,33 +53,22 @@ BROKER_BACKOFF_S: Final = (0.5, 2.0)
 """The first and the longest wait between tries of the broker (tenacity's exponential wait)."""
 
 
-def is_transient_broker_fault(error: BaseException) -> bool:
-    """Whether a failed publish may pass if tried again: the broker's connection was refused,
-    dropped or timed out (kombu reports those as its ``OperationalError``), nothing else."""
-    from kombu.exceptions import OperationalError
-
-    return isinstance(error, OperationalError | ConnectionError | TimeoutError)
-
-
 def parse_duration(text: str) -> timedelta:
     """``90s``, ``15m``, ``2h``, ``7d``, or a sum such as ``1h30m``.
 
     Raises:
         BadInput: Naming the text, when it is not a duration.
     """
-    parts = _DURATION.findall(text)
-    if not parts or "".join(number + unit for number, unit in parts) != text:
-        fail(f"--since {text!r} is not a duration such as 90s, 15m, 2h or 7d")
-    total = timedelta()
-    for number, unit in parts:
-        total += timedelta(**{_UNITS[unit]: int(number)})
-    return total
+    try:
+        return parsing.parse_duration("--since", text)
+    except parsing.Unreadable as unreadable:
+        fail(unreadable.message)
 
 
 def enqueuer(settings: "Settings") -> "EnqueueRun":
     """Hands a run to the workers, as the dispatcher does, trying a broker that is down again.
 
-    A transient fault (:func:`is_transient_broker_fault`) is tried again, at most
+    A transient fault (:func:`relayr.transient.is_transient`) is tried again, at most
     :data:`BROKER_TRIES` times; the last one raises :class:`relayr.core.errors.BrokerUnavailable`.
     Anything else is raised as it is.
     """
@@ -91,6 +78,7 @@ def enqueuer(settings: "Settings") -> "EnqueueRun":
 
     from relayr.core.errors import BrokerUnavailable
     from relayr.health import redact
+    from relayr.transient import is_transient
     from tasks.app import create_celery
     from tasks.runs import RunIds, send_run
 
@@ -103,13 +91,13 @@ def enqueuer(settings: "Settings") -> "EnqueueRun":
             async for attempt in AsyncRetrying(
                 stop=stop_after_attempt(BROKER_TRIES),
                 wait=wait_exponential(multiplier=BROKER_BACKOFF_S[0], max=BROKER_BACKOFF_S[1]),
-                retry=retry_if_exception(is_transient_broker_fault),
+                retry=retry_if_exception(is_transient),
                 reraise=True,
             ):
                 with attempt:
                     await asyncio.to_thread(send_run, app, settings.queue, ids)
         except Exception as error:
-            if not is_transient_broker_fault(error):
+            if not is_transient(error):
                 raise
             raise BrokerUnavailable(broker, error, tries=BROKER_TRIES) from error
 
@@ -266,19 +254,11 @@ def runs_retry(
         return [*missing, *await retry(rules, found, enqueue, dry_run=dry_run)]
 
     results = on_rules(settings, work)
-    left = [result for result in results if result.enqueued is False]
-    problem = None
-    if left:
-        from relayr.health import redact
+    from relayr.health import redact
+    from relayr.ops import not_enqueued
 
-        listed = ", ".join(f"{result.run_id} ({result.workspace})" for result in left)
-        them = "it" if len(left) == 1 else "them"
-        problem = (
-            f"Error: broker {redact(settings.broker_url)} is unavailable: retried in reflexr "
-            f"but not enqueued: {listed}; the dispatcher will enqueue {them} once it reaches "
-            "the broker"
-        )
-    _report(results, as_json, problem=problem)
+    problem = not_enqueued(results, redact(settings.broker_url))
+    _report(results, as_json, problem=None if problem is None else f"Error: {problem}")
 
 
 @runs.command("cancel")

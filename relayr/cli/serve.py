@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import click
 
-from relayr.cli.helpers import EXIT_BAD_INPUT, BadInput, in_runtime, load_settings
+from relayr.cli.helpers import (
+    EXIT_BAD_INPUT,
+    WORKER_STOP_MARGIN_S,
+    BadInput,
+    concurrency_option,
+    in_runtime,
+    load_settings,
+)
 
 if TYPE_CHECKING:
     import asyncio
@@ -30,10 +37,6 @@ if TYPE_CHECKING:
 METRICS_ADDRESS: Final = "0.0.0.0"
 """Where ``--metrics-port`` listens: every IPv4 interface, so Prometheus can scrape a pod."""
 
-WORKER_STOP_MARGIN_S: Final = 15.0
-"""Beyond the turns' grace, how long a stopping worker subprocess may take before it is
-killed (its pool processes close their runtimes one after the other)."""
-
 metrics_port_option = click.option(
     "--metrics-port",
     type=click.IntRange(min=0, max=65535),
@@ -43,14 +46,7 @@ metrics_port_option = click.option(
 
 
 @click.command()
-@click.option(
-    "--concurrency",
-    "-c",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Pool processes: runs executed at once.",
-)
+@concurrency_option("Pool processes: runs executed at once.")
 @click.option(
     "--loglevel",
     "-l",
@@ -232,14 +228,7 @@ def dispatch(metrics_port: int | None, follow: bool) -> None:
 
 
 @click.command()
-@click.option(
-    "--concurrency",
-    "-c",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="The worker's pool processes.",
-)
+@concurrency_option("The worker's pool processes.")
 @click.option(
     "--restart-delay",
     "restart_delay_s",

@@ -37,15 +37,15 @@ from starlette.responses import HTMLResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from relayr.core.parsing import ID_PATTERN
 from relayr.health import redact
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops import Done, EnqueueRun
+from relayr.ops import Done, EnqueueRun, not_enqueued
 from relayr.runtime import Runtime
 from relayr.transcript import marker
 
 from . import actions, reads
 from .queries import (
-    ID_PATTERN,
     PAGE_SIZE,
     STATUS_FILTERS,
     STATUS_HELP,
@@ -317,16 +317,7 @@ def create_app(console: Console) -> Starlette:
             refused=sum(not result.ok for result in results),
             client=client(request),
         )
-        left = [result for result in results if result.enqueued is False]
-        problem = None
-        if left:
-            listed = ", ".join(f"{result.run_id} ({result.workspace})" for result in left)
-            them = "it" if len(left) == 1 else "them"
-            problem = (
-                f"broker {redact(runtime.settings.broker_url)} is unavailable: retried in "
-                f"reflexr but not enqueued: {listed}; the dispatcher will enqueue {them} once it "
-                "reaches the broker"
-            )
+        problem = not_enqueued(results, redact(runtime.settings.broker_url))
         return render(
             request,
             "results.html",

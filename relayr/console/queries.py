@@ -8,13 +8,13 @@ before any storage is read. The filter's status names are the ones ops use (``de
 reflexr's status in :data:`STATUS_FILTERS`.
 """
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 from urllib.parse import urlencode
 
+from relayr.core import parsing
 from relayr.core.errors import RelayrError
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops import RunFilter
@@ -49,14 +49,8 @@ PAGE_SIZE: Final = 50
 MAX_PAGE: Final = 200
 """The last page a URL may ask for (10,000 runs deep): past that, narrow the filter."""
 
-ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
-"""What a tenant, workspace, thread or run id may look like: the command line's rule."""
-
 MAX_RULE_CHARS: Final = 200
 """The longest rule name a filter takes: longer is no rule's name."""
-
-_DURATION: Final = re.compile(r"(\d+)([smhd])")
-_UNITS: Final = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
 
 class BadQuery(RelayrError):
@@ -71,13 +65,10 @@ def parse_duration(name: str, text: str) -> timedelta:
     Raises:
         BadQuery: Naming the parameter and the text, when it is not a duration.
     """
-    parts = _DURATION.findall(text)
-    if not parts or "".join(number + unit for number, unit in parts) != text:
-        raise BadQuery(f"{name} {text!r} is not a duration such as 90s, 15m, 2h or 7d")
-    total = timedelta()
-    for number, unit in parts:
-        total += timedelta(**{_UNITS[unit]: int(number)})
-    return total
+    try:
+        return parsing.parse_duration(name, text)
+    except parsing.Unreadable as unreadable:
+        raise BadQuery(unreadable.message) from None
 
 
 def parse_id(name: str, text: str) -> str:
@@ -86,9 +77,10 @@ def parse_id(name: str, text: str) -> str:
     Raises:
         BadQuery: Naming the parameter and the text, when it is not an id.
     """
-    if not ID_PATTERN.fullmatch(text):
-        raise BadQuery(f"{name} {text!r} is malformed: letters, digits and . _ : @ - only")
-    return text
+    try:
+        return parsing.parse_id(name, text)
+    except parsing.Unreadable as unreadable:
+        raise BadQuery(unreadable.message) from None
 
 
 def parse_workspace(name: str, text: str) -> WorkspaceKey:
@@ -97,13 +89,10 @@ def parse_workspace(name: str, text: str) -> WorkspaceKey:
     Raises:
         BadQuery: Naming the parameter and the text, when it is not two ids joined by ``/``.
     """
-    tenant, slash, workspace = text.partition("/")
-    if not slash or not ID_PATTERN.fullmatch(tenant) or not ID_PATTERN.fullmatch(workspace):
-        raise BadQuery(
-            f"{name} {text!r} is malformed: expected two ids joined by '/', such as acme/ops "
-            "(letters, digits and . _ : @ -)"
-        )
-    return WorkspaceKey(tenant, workspace)
+    try:
+        return WorkspaceKey(*parsing.parse_workspace(name, text))
+    except parsing.Unreadable as unreadable:
+        raise BadQuery(unreadable.message) from None
 
 
 def href(path: str, params: Mapping[str, object] | None = None) -> str:
