@@ -25,7 +25,6 @@ from typing import Any, Final, Protocol
 from sqlalchemy import (
     BigInteger,
     Column,
-    Connection,
     DateTime,
     Integer,
     MetaData,
@@ -33,16 +32,15 @@ from sqlalchemy import (
     Text,
     and_,
     case,
-    inspect,
     or_,
     select,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from relayr.ledger.port import WorkspaceKey
+from relayr.ledger.sql import create_missing_tables
 
 SUPPORTED_DIALECTS: Final = frozenset({"postgresql", "sqlite"})
 
@@ -254,18 +252,7 @@ _LETTER_KEY: Final = ("tenant_id", "workspace_id", "envelope_id")
 async def migrate(engine: AsyncEngine) -> None:
     """Create the followers' tables where they are missing; safe at every start, and when
     processes race to create them (the loser finds them made)."""
-    try:
-        async with engine.begin() as connection:
-            await connection.run_sync(metadata.create_all, checkfirst=True)
-    except DBAPIError:
-        async with engine.begin() as connection:
-            if not await connection.run_sync(_has_tables):
-                raise
-
-
-def _has_tables(connection: Connection) -> bool:
-    inspector = inspect(connection)
-    return all(inspector.has_table(table.name) for table in metadata.sorted_tables)
+    await create_missing_tables(engine, metadata)
 
 
 class SqlFollowStore:

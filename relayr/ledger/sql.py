@@ -101,23 +101,29 @@ _CAUSE_COLUMNS = (
 
 
 async def migrate(engine: AsyncEngine) -> None:
-    """Create the ledger's tables where they are missing; safe at every start, and concurrently.
+    """Create the ledger's tables where they are missing (:func:`create_missing_tables`)."""
+    await create_missing_tables(engine, metadata)
+
+
+async def create_missing_tables(engine: AsyncEngine, tables: MetaData) -> None:
+    """Create ``tables`` where they are missing; safe at every start, and concurrently.
 
     A process that loses the race to create a table finds it made by the winner and carries on;
-    any other failure is raised.
+    any other failure is raised. relayr's own tables (the ledger's, the followers') are made
+    this way, beside the libraries' Alembic-managed ones.
     """
     try:
         async with engine.begin() as connection:
-            await connection.run_sync(metadata.create_all, checkfirst=True)
+            await connection.run_sync(tables.create_all, checkfirst=True)
     except DBAPIError:
         async with engine.begin() as connection:
-            if not await connection.run_sync(_has_tables):
+            if not await connection.run_sync(_has_tables, tables):
                 raise
 
 
-def _has_tables(connection: Connection) -> bool:
+def _has_tables(connection: Connection, tables: MetaData) -> bool:
     inspector = inspect(connection)
-    return all(inspector.has_table(table.name) for table in metadata.sorted_tables)
+    return all(inspector.has_table(table.name) for table in tables.sorted_tables)
 
 
 class SqlLedger:
