@@ -73,6 +73,9 @@ class Case:
     profile: bool = False
     timeout_s: float | None = None
     batches: tuple[int, ...] = field(default=())
+    follow: bool = True
+    """Whether the dispatcher follows artifactr's log back into reflexr (relayr's default), as
+    it does in production; False measures the outbound path alone."""
 
     @property
     def rounds(self) -> tuple[int, ...]:
@@ -82,7 +85,7 @@ class Case:
     def label(self) -> str:
         return (
             f"{self.storage}-n{self.n}-w{self.workers}{self.worker_mode[0]}-"
-            f"ws{self.workspaces}-{self.ordering}"
+            f"ws{self.workspaces}-{self.ordering}{'' if self.follow else '-nofollow'}"
         )
 
 
@@ -229,7 +232,7 @@ async def drive(
         runtimes[label] = await Runtime.start(settings, role=role, application=application)
         counters[label] = EngineCounter(application.engines[0])
     stop = asyncio.Event()
-    dispatcher = CountingDispatcher(runtimes["dispatch"])
+    dispatcher = CountingDispatcher(runtimes["dispatch"], follow=case.follow)
     serving: asyncio.Task[None] | None = None
     try:
         names = workspace_names(case.workspaces)

@@ -74,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=None, help="events/s (default: a burst)")
     parser.add_argument("--dispatch-interval-s", type=float, default=DISPATCH_INTERVAL_S)
     parser.add_argument("--profile", action="store_true", help="cProfile the pool processes")
+    parser.add_argument(
+        "--no-follow",
+        action="store_true",
+        help="the dispatcher does not follow artifactr's log back (the outbound path alone)",
+    )
     parser.add_argument("--no-floor", action="store_true", help="skip bench.floor")
     parser.add_argument("--keep", action="store_true", help="keep each case's home")
     parser.add_argument(
@@ -109,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 dispatch_interval_s=args.dispatch_interval_s,
                 profile=args.profile,
                 timeout_s=args.timeout_s,
+                follow=not args.no_follow,
             )
             for storage in storages
             for n in args.n
