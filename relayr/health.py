@@ -35,7 +35,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis
 from sqlalchemy import text
@@ -45,6 +44,7 @@ from sqlalchemy.pool import NullPool
 
 from relayr.broker.layout import queues_folder
 from relayr.settings import Settings
+from relayr.settings import redact as redact  # kept importable here, where it was first
 from relayr.supervisor import read_status, status_path
 
 type HealthRole = Literal["worker", "dispatcher"]
@@ -244,17 +244,6 @@ def check_health(
             dependencies=dependencies,
         )
     )
-
-
-def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***``, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port is not None else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 async def _timed(

@@ -20,9 +20,11 @@ while the first is still running it.
 """
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, Self
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -247,8 +249,19 @@ class Settings(BaseSettings):
             )
 
     def changed(self, **values: Any) -> Self:
-        """These settings with ``values`` instead, validated as a whole again."""
-        return type(self)(**{**self.model_dump(), **values})
+        """These settings with ``values`` instead, validated as a whole again.
+
+        A new ``home`` moves a database that followed the old one (the default SQLite file in
+        it) along with it; a database named otherwise stays where it is.
+        """
+        current = self.model_dump()
+        if (
+            "home" in values
+            and "database_url" not in values
+            and self.database_url == default_database_url(self.home)
+        ):
+            del current["database_url"]
+        return type(self)(**{**current, **values})
 
     @property
     def tracing(self) -> bool:
@@ -312,7 +325,36 @@ def _problem(error: ErrorDetails) -> str:
         limit = "it must be above 0" if kind == "greater_than" else "it cannot be negative"
         return f"{variable}={number} is invalid: {limit}"
     problem = error["msg"] if kind == "unusable" else _PROBLEMS.get(kind, error["msg"].lower())
-    return f"{variable}={given!r} is invalid: {problem}"
+    shown = redact(given) if isinstance(given, str) else given
+    return f"{variable}={shown!r} is invalid: {problem}"
+
+
+_USER_INFO: Final = re.compile(r"^(?P<scheme>[^:/?#]*://)[^@]*@")
+"""Everything from a URL's ``://`` to its first ``@``: where a password is, for a URL that
+:func:`urllib.parse.urlsplit` cannot take apart."""
+
+
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***``, for messages and logs.
+
+    A URL the standard parser refuses (an invalid port, say) or that it would cut before its
+    ``@`` (a ``/`` left unencoded in the password) loses all it has before the ``@`` instead:
+    a message may show less than it could, never a password.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return _USER_INFO.sub(r"\g<scheme>***@", url, count=1)
+    user_info, at, host = parts.netloc.rpartition("@")
+    if at:
+        if ":" not in user_info:
+            return url
+        user = user_info.partition(":")[0]
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    port = parts.netloc.rpartition(":")[2]
+    if ":" in parts.netloc and not port.isdigit() and "@" in url:
+        return _USER_INFO.sub(r"\g<scheme>***@", url, count=1)
+    return url
 
 
 METRICS_DIRECTORY_VARIABLE: Final = "PROMETHEUS_MULTIPROC_DIR"

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from relayr.core.errors import InvalidSettings
-from relayr.settings import Settings
+from relayr.settings import Settings, default_database_url, redact
 
 EVERY_VARIABLE = {
     "RELAYR_HOME": "/srv/relayr",
@@ -108,6 +108,67 @@ def test_invalid_values_are_named(variable: str, value: str, message: str) -> No
 
     assert refused.value.message.startswith(message)
     assert refused.value.code == "invalid_settings"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "shown"),
+    [
+        ("RELAYR_BROKER_URL", "amqp://u:s3cret@h//", "RELAYR_BROKER_URL='amqp://u:***@h//'"),
+        (
+            "RELAYR_DATABASE_URL",
+            "postgresql://user:s3cret@db:5432/relayr",
+            "RELAYR_DATABASE_URL='postgresql://user:***@db:5432/relayr'",
+        ),
+        # a port that is not a number: the parser refuses it, the password still goes
+        (
+            "RELAYR_BROKER_URL",
+            "amqp://u:s3cret@h:port//",
+            "RELAYR_BROKER_URL='amqp://u:***@h:port//'",
+        ),
+        # a '/' left unencoded in the password ends the host for the parser
+        ("RELAYR_DATABASE_URL", "mysql://u:s3/cret@db/x", "RELAYR_DATABASE_URL='mysql://***@db/x'"),
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "grpc://otel:s3cret@collector:4317",
+            "OTEL_EXPORTER_OTLP_ENDPOINT='grpc://otel:***@collector:4317'",
+        ),
+    ],
+)
+def test_a_refused_url_never_shows_its_password(variable: str, value: str, shown: str) -> None:
+    with pytest.raises(InvalidSettings) as refused:
+        Settings.from_env({variable: value})
+
+    assert refused.value.message.startswith(f"{shown} is invalid")
+    assert "s3" not in refused.value.message
+    assert "cret" not in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:s3cret@cache:6379/0", "redis://:***@cache:6379/0"),
+        ("redis://user:p@ss@cache/0", "redis://user:***@cache/0"),
+        ("redis://cache:6379/0", "redis://cache:6379/0"),
+        ("redis://user@cache/0?client=a@b", "redis://user@cache/0?client=a@b"),
+        ("filesystem://", "filesystem://"),
+        ("redis://[::1:6379/0", "redis://[::1:6379/0"),
+    ],
+)
+def test_redact_hides_passwords_and_keeps_the_rest(url: str, shown: str) -> None:
+    assert redact(url) == shown
+
+
+def test_a_new_home_moves_the_database_that_followed_the_old_one(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path / "old")
+
+    moved = settings.changed(home=tmp_path / "new")
+
+    assert moved.database_url == default_database_url(tmp_path / "new")
+    named = Settings(home=tmp_path / "old", database_url="postgresql+asyncpg://db/relayr")
+    assert named.changed(home=tmp_path / "new").database_url == "postgresql+asyncpg://db/relayr"
+    both = settings.changed(home=tmp_path / "new", database_url="memory://")
+    assert both.database_url == "memory://"
+    assert settings.changed(queue="other").database_url == settings.database_url
 
 
 @pytest.mark.parametrize(
