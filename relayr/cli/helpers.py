@@ -15,9 +15,9 @@ One place for each, so every command answers the same way:
   turns relayr's refusals of the settings, application or allowlist into bad input;
   :func:`in_runtime` does so with a :class:`relayr.runtime.Runtime`.
 
-This module imports click and relayr's errors only, and the settings (pydantic-settings) when a
-command reads them: every command module imports it, and ``relayr --help`` imports every command
-module (ADR-0050).
+This module imports click, relayr's errors and its reading of ids (:mod:`relayr.core.parsing`)
+only, and the settings (pydantic-settings) when a command reads them: every command module
+imports it, and ``relayr --help`` imports every command module (ADR-0050).
 """
 
 import json

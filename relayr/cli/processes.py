@@ -15,7 +15,8 @@ the tests, and the benchmarks' workers. Each process:
 
 Commands are built here too (:func:`relayr_command`, :func:`celery_worker_command`), as is a
 child's environment (:func:`settings_environment`), so a test starts a worker exactly as
-``relayr run`` and the benchmarks do. This module imports the standard library only.
+``relayr run`` and the benchmarks do. This module imports the standard library, relayr's
+errors and its settings (for a child's environment: pydantic-settings, no library, no Celery).
 """
 
 import os

@@ -49,8 +49,9 @@ Each try is Celery's publish with its own quick retries (about 0.6 s against a r
 connection); three tries and the waits between them end within about 4 s, so ops wait seconds,
 not minutes, and a broker that restarts meanwhile is ridden out."""
 
-BROKER_BACKOFF_S: Final = (0.5, 2.0)
-"""The first and the longest wait between tries of the broker (tenacity's exponential wait)."""
+BROKER_BACKOFF_S: Final = (0.5, 1.0)
+"""The first and the longest wait between tries of the broker: tenacity's exponential wait
+doubles from the first, so with :data:`BROKER_TRIES` tries the waits are 0.5 s, then 1 s."""
 
 
 def parse_duration(text: str) -> timedelta:
