@@ -23,7 +23,9 @@ What each metric measures:
 ``relayr_runs_redelivered_total``
     Task messages delivered again: after a worker died, or by the broker's visibility timeout.
 ``relayr_runs_enqueued_total``
-    Task messages sent for runs, by the dispatcher or by a worker handing on the next run.
+    Runs enqueued: each run a task message names counts once (a message names up to 20), whoever
+    sent it: the dispatcher, ``relayr runs retry`` (or the console's retry), or a worker splitting
+    a message whose worker died.
 ``relayr_turns_started_total``
     Agent turns that runs' sends started (or asked for again) in this deployment.
 ``relayr_turns_drained_total``
@@ -118,7 +120,7 @@ class _Instruments:
         )
         self.enqueued = Counter(
             "relayr_runs_enqueued",
-            "Task messages sent for runs.",
+            "Runs enqueued (each run a task message names).",
             registry=registry,
         )
         self.turns_started = Counter(
@@ -195,7 +197,7 @@ def record_redelivery() -> None:
 
 
 def record_enqueued(count: int = 1) -> None:
-    """Count task messages sent for runs."""
+    """Count ``count`` runs enqueued (the runs one task message names)."""
     _safely(lambda metrics: metrics.enqueued.inc(count))
 
 
