@@ -6,7 +6,8 @@ filesystem broker and a SQLite file in a fresh home) or the production pair (Red
 created with asyncpg and dropped with ``WITH (FORCE)``).
 
 Workers are real ``celery worker`` processes (:mod:`bench.workers`), running the example
-application through :func:`create_app`, named by ``RELAYR_APP``. It is the example unchanged,
+application through :func:`create_app` (or :func:`create_app_scope_ordered`, the example's own
+factory with every rule ordered by scope), named by ``RELAYR_APP``. It is the example unchanged,
 plus a count of every SQL transaction its engine begins, commits and rolls back, which each
 process writes to ``<home>/tx-counts/<pid>.json`` every :data:`COUNTS_EVERY_S` and when it
 closes: a prefork pool process never runs ``atexit``, and a benchmark reads the counts while
@@ -33,12 +34,10 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import asyncpg
-from artifactr import Workspaces as ArtifactWorkspaces
-from reflexr.workspace import Workspaces as RuleWorkspaces
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from relayr.application import Application, open_storage
+from relayr.application import Application
 from relayr.settings import Settings
 from rules import example
 
@@ -64,8 +63,8 @@ APPS: Final[Mapping[Ordering, str]] = {
     "none": "bench.common:create_app",
     "scope": "bench.common:create_app_scope_ordered",
 }
-"""The workers' ``RELAYR_APP`` by the deploy rule's ordering: the example's own (``none``), or
-reflexr's default (``scope``: one run of the rule at a time per workspace)."""
+"""The workers' ``RELAYR_APP`` by the rules' ordering: the example's own (``none``), or
+reflexr's default for every rule (``scope``: one run of a rule at a time per workspace)."""
 
 COUNTS_FOLDER: Final = "tx-counts"
 PROFILE_MARKER: Final = "bench-profile"
@@ -197,27 +196,13 @@ class BenchApplication(Application):
         await super().aclose()
 
 
-def build_example(settings: Settings, ordering: Ordering) -> Any:
-    """The example application, its deploy rule ordered as asked; a coroutine to await."""
+async def build_example(settings: Settings, ordering: Ordering) -> Application:
+    """The example application, built by its own factory: as it ships (``none``), or with every
+    rule, outbound and inbound, ordered by scope (``scope``). Nothing else differs, so the two
+    orderings are measured on the same application."""
     if ordering == "none":
-        return example.create_app(settings)
-
-    async def build() -> Application:
-        storage = await open_storage(settings)
-        rules = tuple(rule.model_copy(update={"ordering": "scope"}) for rule in example.RULES)
-        return Application(
-            artifacts=ArtifactWorkspaces(storage.artifacts, types=[example.TriageNote]),
-            rules=RuleWorkspaces(
-                storage.rules,
-                events=[example.DeployFinished, example.IncidentOpened],
-                rules=rules,
-            ),
-            actions=example.ACTIONS,
-            agent=example.triage_agent(),
-            engines=storage.engines,
-        )
-
-    return build()
+        return await example.create_app(settings)
+    return await example.build_app(settings, ordering="scope")
 
 
 async def _counted(settings: Settings, ordering: Ordering) -> Application:
@@ -256,7 +241,7 @@ async def create_app(settings: Settings) -> Application:
 
 async def create_app_scope_ordered(settings: Settings) -> Application:
     """``RELAYR_APP=bench.common:create_app_scope_ordered``: the example with reflexr's default
-    ordering (``scope``) for its rules, counted."""
+    ordering (``scope``) for every rule, outbound and inbound, counted."""
     return await _counted(settings, "scope")
 
 

@@ -50,7 +50,7 @@ only), and a worker the whole :func:`create_app`. The pieces' names are also thi
 """
 
 from importlib import import_module
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from relayr.application import Application, open_storage
 from relayr.parts import (
@@ -177,20 +177,29 @@ def __getattr__(name: str) -> Any:
     return getattr(import_module(module), name)
 
 
-def rule_workspaces(storage: "RuleStorage") -> "RuleWorkspaces":
+def rule_workspaces(
+    storage: "RuleStorage", *, ordering: Literal["scope", "none"] | None = None
+) -> "RuleWorkspaces":
     """reflexr's workspaces of the example on ``storage``: its events, the bridged ones (their
-    namespace reserved to the follower), and its rules, outbound and inbound."""
+    namespace reserved to the follower), and its rules, outbound and inbound.
+
+    ``ordering`` replaces every rule's own (``none``) when given: the benchmarks compare the
+    example as it ships with the same application ordered by scope, reflexr's default.
+    """
     from reflexr.workspace import Workspaces
 
     from relayr.follow.events import BRIDGED_EVENTS, PUBLISHERS
     from rules.example.events import EVENTS
     from rules.example.rules import INBOUND_RULES, RULES
 
+    rules = [*RULES, *INBOUND_RULES]
+    if ordering is not None:
+        rules = [rule.model_copy(update={"ordering": ordering}) for rule in rules]
     return Workspaces(
         storage,
         events=[*EVENTS, *BRIDGED_EVENTS],
         publishers=PUBLISHERS,
-        rules=(*RULES, *INBOUND_RULES),
+        rules=rules,
     )
 
 
@@ -215,11 +224,16 @@ async def create_artifacts(settings: Settings) -> ArtifactsPart:
     return ArtifactsPart(artifact_workspaces(storage.storage), storage.engines)
 
 
-async def build_app(settings: Settings, *, reply_delay_s: float = 0.0) -> Application:
+async def build_app(
+    settings: Settings,
+    *,
+    reply_delay_s: float = 0.0,
+    ordering: Literal["scope", "none"] | None = None,
+) -> Application:
     """The example application on ``settings.database_url``, with a slower agent if asked.
 
-    Tests of shutdown use ``reply_delay_s`` to keep turns running; ``create_app`` is this with
-    the defaults.
+    Tests of shutdown use ``reply_delay_s`` to keep turns running; the benchmarks use
+    ``ordering`` (:func:`rule_workspaces`); ``create_app`` is this with the defaults.
     """
     from rules.example.actions import ACTIONS
     from rules.example.agent import triage_agent
@@ -227,7 +241,7 @@ async def build_app(settings: Settings, *, reply_delay_s: float = 0.0) -> Applic
     storage = await open_storage(settings)
     return Application(
         artifacts=artifact_workspaces(storage.artifacts),
-        rules=rule_workspaces(storage.rules),
+        rules=rule_workspaces(storage.rules, ordering=ordering),
         actions=ACTIONS,
         agent=triage_agent(reply_delay_s),
         engines=storage.engines,
