@@ -106,10 +106,11 @@ class _State:
 _state = _State()
 
 
-def enable() -> None:
+def enable(provider: trace.TracerProvider | None = None) -> None:
     """Turn relayr's spans on in this process, once its providers are configured
-    (:func:`relayr.otel.configure` calls it)."""
-    _state.tracer = trace.get_tracer(SCOPE)
+    (:func:`relayr.otel.configure` calls it), on the global provider or ``provider`` (a test's
+    own, which the global one cannot be: OpenTelemetry sets that once per process)."""
+    _state.tracer = trace.get_tracer(SCOPE, tracer_provider=provider)
 
 
 def disable() -> None:

@@ -6,7 +6,8 @@ events in reflexr's log (once each, with their kind, chain and depth), the runs 
 the notices they posted, the followers' cursors and dead letters.
 """
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,12 @@ from typing import Any
 import pytest
 from artifactr import ExternalAgentActor
 from artifactr.core import MessagePosted as ArtifactrMessagePosted
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import event
 
+from relayr import telemetry
 from relayr.batch import RunBatch
 from relayr.dispatch import Dispatcher
 from relayr.follow.events import FOLLOWER, MessagePosted, TurnEnded
@@ -33,6 +38,10 @@ from tests.follow_world import (
     opened,
     storage_url,
 )
+
+BRIDGED_BY_A_QUESTION_AND_THANKS = 6
+"""What :class:`Asked` and a person's reply bridge: the rule's question, the agent's answer, its
+turn's end, the two notices the rules post about them, and the person's message."""
 
 
 @pytest.fixture(params=STORAGES)
@@ -220,6 +229,81 @@ async def test_a_projection_that_fails_dead_letters_its_envelope_and_the_log_goe
     assert (await failing.replay(KEY, [letter.envelope_id])).unknown == (letter.envelope_id,)
 
 
+def _nothing(source: Source) -> None:
+    """A projection that bridges nothing (as one does for what it does not care about)."""
+    return None
+
+
+async def test_a_replay_that_publishes_nothing_leaves_its_letters_waiting(world: World) -> None:
+    """A letter whose projection now returns nothing, and one whose envelope artifactr's log
+    does not give back, are reported apart and stay waiting; only what was published is
+    marked replayed."""
+    thread = await world.thread()
+    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+    await handle.post_message(thread, "boom")
+    failing = world.follower(holder="follower-2", projections={"message_posted": _refusing("boom")})
+    assert (await failing.follow_all()).dead == 1
+    [letter] = await world.store.dead_letters(KEY)
+    # a letter whose seq holds another envelope: its own is not there to read back
+    ghost = replace(letter, envelope_id="env-not-in-the-log", seq=1)
+    assert await world.store.advance(
+        KEY, "follower-2", letter.seq, until=datetime.now(UTC) + timedelta(hours=1), dead=[ghost]
+    )
+
+    replayed = await world.follower(
+        holder="follower-3", projections={"message_posted": _nothing}
+    ).replay(KEY)
+
+    assert (replayed.bridged, replayed.failed, replayed.unknown) == ((), (), ())
+    assert replayed.skipped == (letter.envelope_id,)
+    assert replayed.not_found == (ghost.envelope_id,)
+    assert {d.envelope_id for d in await world.store.dead_letters(KEY)} == {
+        letter.envelope_id,
+        ghost.envelope_id,
+    }
+    assert await world.bridged() == []
+
+    fixed = await world.follower(holder="follower-3").replay(KEY)
+
+    assert fixed.bridged == (letter.envelope_id,)
+    assert fixed.not_found == (ghost.envelope_id,)
+    assert [d.envelope_id for d in await world.store.dead_letters(KEY)] == [ghost.envelope_id]
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """relayr's spans on, exported to memory by a provider of the test's own."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry.enable(provider)
+    try:
+        yield exporter
+    finally:
+        telemetry.disable()
+        provider.shutdown()
+
+
+async def test_a_replay_ends_the_spans_of_what_it_bridged(
+    world: World, spans: InMemorySpanExporter
+) -> None:
+    thread = await world.thread()
+    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+    await handle.post_message(thread, "boom")
+    failing = world.follower(holder="follower-2", projections={"message_posted": _refusing("boom")})
+    assert (await failing.follow_all()).dead == 1
+    [letter] = await world.store.dead_letters(KEY)
+    spans.clear()
+
+    fixed = await world.follower(holder="follower-3").replay(KEY)
+
+    assert fixed.bridged == (letter.envelope_id,)
+    ended = [span for span in spans.get_finished_spans() if span.name == "relayr.bridge"]
+    assert [(span.attributes or {}).get(telemetry.EVENT_ID) for span in ended] == [
+        letter.envelope_id
+    ]
+
+
 async def test_a_rule_write_without_a_cause_is_dead_lettered(world: World) -> None:
     thread = await world.thread()
     handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
@@ -306,22 +390,27 @@ async def test_a_pass_over_rules_writes_and_turns_reads_their_causes_at_once(
 
 async def test_a_batch_is_logged_as_publish_would_log_its_events(world: World) -> None:
     """The follower's append and reflexr's ``publish`` (with the same causation, as
-    ``caused_by`` stamps it) log the same envelope, and both start a new workspace's rules at
-    its first event."""
+    ``caused_by`` stamps it) log the same envelope: for an event that starts a chain and for
+    one that continues a rule's."""
     thread = await world.thread()
     await world.publish(Asked(thread_id=thread, text="status?"))
+    await world.settle()
+    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
+    await handle.post_message(thread, "thanks")
     await world.settle()
     bridged = await world.bridged()
     rules = world.runtime.application.rules
     copy = await rules.open(TENANT, "copy", actor=FOLLOWER)
 
+    assert len(bridged) == BRIDGED_BY_A_QUESTION_AND_THANKS, bridged
+    assert {envelope.causation is None for envelope in bridged} == {True, False}
     for envelope in bridged:
-        handle = (
+        publisher = (
             copy
             if envelope.causation is None
             else copy.caused_by(envelope.causation, correlation_id=envelope.correlation_id)
         )
-        published = await handle.publish(envelope.event, id=envelope.id)
+        published = await publisher.publish(envelope.event, id=envelope.id)
         again = published.envelope
         assert (again.id, again.actor, again.causation, again.event) == (
             envelope.id,

@@ -6,6 +6,7 @@ example application; what a person typed wrong is refused in one line, exit code
 
 import asyncio
 import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,9 @@ from click.testing import CliRunner, Result
 from reflexr import SourceActor
 
 from relayr.cli import cli
+from relayr.cli.follow import followers_of
+from relayr.follow.store import DeadLetter
+from relayr.ledger.port import WorkspaceKey
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from rules.example import DeployFinished
@@ -95,6 +99,38 @@ def test_dead_letters_are_listed_and_replayed(environment: dict[str, str]) -> No
     assert unknown.exit_code == 1
     assert "unknown nope: not a dead letter waiting in acme/ops" in unknown.stdout
     assert "cause_missing, 2 tries" in listed.stdout
+
+
+def test_a_dead_letter_whose_envelope_is_gone_is_reported_and_stays_waiting(
+    environment: dict[str, str],
+) -> None:
+    write(environment)
+    output(invoke(environment, "follow", "--once", "--json"))
+
+    async def lose_an_envelope() -> None:
+        """A dead letter whose seq holds another envelope: replay finds nothing to publish."""
+        runtime = await Runtime.start(Settings.from_env(environment), role="cli")
+        async with runtime:
+            store = followers_of(runtime).store
+            key, now = WorkspaceKey(TENANT, WORKSPACE), datetime.now(UTC)
+            until = now + timedelta(minutes=5)
+            cursor = await store.take(key, "test", until=until, now=now)
+            assert cursor is not None
+            gone = DeadLetter(key, "env-gone", 1, "message_posted", "cause_missing", "-", now)
+            assert await store.advance(key, "test", cursor, until=until, dead=[gone])
+            await store.release(key, "test")
+
+    asyncio.run(lose_an_envelope())
+    replay = invoke(environment, "follow", "dead-letters", "replay", "acme/ops", "--all", "--json")
+    said = invoke(environment, "follow", "dead-letters", "replay", "acme/ops", "env-gone")
+    [letter] = output(invoke(environment, "follow", "dead-letters", "list", "--json"))
+
+    assert replay.exit_code == 1
+    assert json.loads(replay.stdout)["not_found"] == ["env-gone"]
+    assert json.loads(replay.stdout)["bridged"] == []
+    assert said.exit_code == 1
+    assert "missing env-gone: not in artifactr's log at its seq; it stays waiting" in said.stdout
+    assert letter["envelope_id"] == "env-gone"
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ what it could not bridge.
 - ``relayr follow dead-letters list``: the envelopes no follower could bridge, and why.
 - ``relayr follow dead-letters replay TENANT/WORKSPACE [ID]... | --all``: project them again
   and publish each under its envelope's id (once, however often it is replayed); exit 1 if
-  some fail again or are not waiting dead letters.
+  some fail again, are not waiting dead letters, or were left waiting (no projection bridges
+  them now, or artifactr's log no longer has their envelope).
 
 Every command builds the whole application (both libraries: artifactr's log in, reflexr's out).
 """
@@ -186,8 +187,9 @@ def dead_letters_replay(
 ) -> None:
     """Project dead letters again and publish them, each once, under its envelope's id.
 
-    Exit codes: 0 every one bridged; 1 some failed again (their new reason is listed) or are
-    not waiting dead letters of the workspace; 2 bad input.
+    Exit codes: 0 every one bridged; 1 some failed again (their new reason is listed), are
+    not waiting dead letters of the workspace, or were left waiting (skipped, not found);
+    2 bad input.
     """
     if bool(envelope_ids) == everything:
         raise click.UsageError("name envelope IDs or --all, not both and not neither")
@@ -207,6 +209,8 @@ def dead_letters_replay(
                 for letter in replayed.failed
             ],
             "unknown": list(replayed.unknown),
+            "skipped": list(replayed.skipped),
+            "not_found": list(replayed.not_found),
         }
 
     done = in_runtime(settings, work)
@@ -219,9 +223,16 @@ def dead_letters_replay(
             click.echo(f"failed  {letter['envelope_id']}: {letter['reason']}: {letter['error']}")
         for envelope_id in done["unknown"]:
             click.echo(f"unknown {envelope_id}: not a dead letter waiting in {workspace}")
+        for envelope_id in done["skipped"]:
+            click.echo(f"skipped {envelope_id}: no projection bridges it now; it stays waiting")
+        for envelope_id in done["not_found"]:
+            click.echo(
+                f"missing {envelope_id}: not in artifactr's log at its seq; it stays waiting"
+            )
         click.echo(
             f"{len(done['bridged'])} bridged, {len(done['failed'])} failed again, "
-            f"{len(done['unknown'])} unknown"
+            f"{len(done['unknown'])} unknown, {len(done['skipped'])} skipped, "
+            f"{len(done['not_found'])} not found"
         )
-    if done["failed"] or done["unknown"]:
+    if done["failed"] or done["unknown"] or done["skipped"] or done["not_found"]:
         sys.exit(EXIT_NOT_ALL_DONE)

@@ -50,7 +50,13 @@ from relayr.follow.batches import Batches
 from relayr.follow.config import Inbound
 from relayr.follow.projections import PROJECTIONS
 from relayr.follow.reports import Followed, Replayed, WorkspaceStatus
-from relayr.follow.store import FollowStore, InMemoryFollowStore, Position, SqlFollowStore
+from relayr.follow.store import (
+    FollowStore,
+    InMemoryFollowStore,
+    Position,
+    SqlFollowStore,
+    workspace_order,
+)
 from relayr.ledger.port import Ledger, WorkspaceKey
 
 logger = structlog.get_logger("relayr.follow")
@@ -188,7 +194,7 @@ class Followers:
         :data:`WORKSPACES_REFRESH_S`."""
         configured = self._inbound.workspaces
         if configured is not None:
-            return sorted(configured, key=_order)
+            return sorted(configured, key=workspace_order)
         now = self._monotonic()
         if self._listed is not None and now - self._listed_at < WORKSPACES_REFRESH_S:
             return self._listed
@@ -297,7 +303,7 @@ class Followers:
         and its dead letters waiting."""
         positions = {position.workspace: position for position in await self.store.positions()}
         waiting = Counter(letter.workspace for letter in await self.store.dead_letters())
-        keys = sorted({*positions, *await self.workspaces()}, key=_order)
+        keys = sorted({*positions, *await self.workspaces()}, key=workspace_order)
         found = []
         for key in keys:
             position = positions.get(key) or Position(key, 0, None, None)
@@ -329,6 +335,10 @@ class Followers:
         """Project and publish a workspace's dead letters again (those named, or every one
         waiting), each under its envelope's id; mark those bridged as replayed.
 
+        Only a letter whose event is in reflexr's log afterwards (appended now, or found there)
+        is marked. One whose envelope artifactr's log no longer gives back, or that no
+        projection bridges now, stays waiting, reported apart.
+
         Needs no lease: what it publishes is published once, whoever else publishes it.
         """
         waiting = await self.store.dead_letters(key)
@@ -348,10 +358,22 @@ class Followers:
             if envelope.id == letter.envelope_id
         ]
         prepared = await self._batches.prepare(key, handle, envelopes)
-        await self._batches.publish(key, prepared.entries)
-        failed_ids = {letter.envelope_id for letter in prepared.dead}
-        bridged = tuple(
-            letter.envelope_id for letter in chosen if letter.envelope_id not in failed_ids
+        try:
+            await self._batches.publish(key, prepared.entries)
+        finally:
+            for span in prepared.spans:
+                telemetry.end(span)
+        published = {entry.id for entry in prepared.entries}
+        read = {envelope.id for envelope in envelopes}
+        failed = {letter.envelope_id for letter in prepared.dead}
+        bridged = tuple(letter.envelope_id for letter in chosen if letter.envelope_id in published)
+        not_found = tuple(letter.envelope_id for letter in chosen if letter.envelope_id not in read)
+        skipped = tuple(
+            letter.envelope_id
+            for letter in chosen
+            if letter.envelope_id in read
+            and letter.envelope_id not in published
+            and letter.envelope_id not in failed
         )
         await self.store.replayed(key, bridged, at=self._clock())
         for letter in prepared.dead:
@@ -361,9 +383,17 @@ class Followers:
             workspace=str(key),
             bridged=len(bridged),
             failed=len(prepared.dead),
+            skipped=len(skipped),
+            not_found=len(not_found),
             unknown=len(unknown),
         )
-        return Replayed(bridged=bridged, failed=tuple(prepared.dead), unknown=unknown)
+        return Replayed(
+            bridged=bridged,
+            failed=tuple(prepared.dead),
+            unknown=unknown,
+            skipped=skipped,
+            not_found=not_found,
+        )
 
     async def _lease(self, key: WorkspaceKey) -> _Held | None:
         """The workspace's lease: kept, renewed every third of its time, or taken."""
@@ -388,7 +418,3 @@ class Followers:
                 key.tenant_id, key.workspace_id, actor=ARTIFACTR_FOLLOWER
             )
         return handle
-
-
-def _order(key: WorkspaceKey) -> tuple[str, str]:
-    return (key.tenant_id, key.workspace_id)

@@ -89,11 +89,18 @@ class Replayed:
     """What a replay of dead letters did.
 
     Attributes:
-        bridged: Envelope ids bridged now (appended, or found in reflexr's log already).
+        bridged: Envelope ids bridged now (appended, or found in reflexr's log already); their
+            letters are marked replayed.
         failed: Dead letters that failed again, with their new reason and error.
         unknown: Envelope ids asked for that are not waiting dead letters of the workspace.
+        skipped: Envelope ids no projection bridges now (none for their type, or it returned
+            None): nothing published, their letters still wait.
+        not_found: Envelope ids artifactr's log did not give back at their seq: nothing
+            published, their letters still wait.
     """
 
     bridged: tuple[str, ...]
     failed: tuple[DeadLetter, ...]
     unknown: tuple[str, ...]
+    skipped: tuple[str, ...] = ()
+    not_found: tuple[str, ...] = ()

@@ -176,7 +176,7 @@ class InMemoryFollowStore:
             self._positions[workspace] = replace(found, holder=None, held_until=None)
 
     async def positions(self) -> list[Position]:
-        return [self._positions[key] for key in sorted(self._positions, key=_order)]
+        return [self._positions[key] for key in sorted(self._positions, key=workspace_order)]
 
     async def dead_letters(
         self, workspace: WorkspaceKey | None = None, *, replayed: bool = False
@@ -187,7 +187,7 @@ class InMemoryFollowStore:
             if (workspace is None or letter.workspace == workspace)
             and (replayed or letter.replayed_at is None)
         ]
-        return sorted(found, key=lambda letter: (_order(letter.workspace), letter.seq))
+        return sorted(found, key=lambda letter: (workspace_order(letter.workspace), letter.seq))
 
     async def replayed(
         self, workspace: WorkspaceKey, envelope_ids: Collection[str], *, at: datetime
@@ -214,7 +214,8 @@ def _free(position: Position, holder: str, now: datetime) -> bool:
     )
 
 
-def _order(key: WorkspaceKey) -> tuple[str, str]:
+def workspace_order(key: WorkspaceKey) -> tuple[str, str]:
+    """The order workspaces are listed and followed in: by tenant, then workspace."""
     return (key.tenant_id, key.workspace_id)
 
 
