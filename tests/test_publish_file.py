@@ -7,6 +7,7 @@ after the first chunk would show as events written.
 
 import asyncio
 import json
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -180,3 +181,76 @@ def test_an_empty_file_is_refused(environment: dict[str, str]) -> None:
     result = publish(environment, "deploy:finished", "--data-file", "-", stdin="\n\n")
     assert result.exit_code == 2, result.output
     assert "stdin has no event" in result.stderr
+
+
+@pytest.mark.parametrize("source", ["file", "stdin"])
+def test_a_line_that_is_not_utf8_is_refused_by_its_number_and_nothing_is_published(
+    environment: dict[str, str], tmp_path: Path, source: str
+) -> None:
+    number = CHUNK_EVENTS + 100
+    lines = [json.dumps(deploy(index)).encode() for index in range(LINES)]
+    lines[number - 1] = lines[number - 1].replace(b"svc-", b"svc-\xff")  # Latin-1, say
+    raw = b"\n".join(lines) + b"\n"
+    events = tmp_path / "events.jsonl"
+    events.write_bytes(raw)
+    if source == "file":
+        result = publish(environment, "deploy:finished", "--data-file", str(events))
+        name = str(events)
+    else:
+        result = CliRunner().invoke(
+            cli,
+            ["publish", "acme/ops", "deploy:finished", "--data-file", "-"],
+            env=environment,
+            input=raw,
+            catch_exceptions=False,
+        )
+        name = "stdin"
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line == f"Error: line {number} of {name} is not UTF-8 text: byte 0xff at column 18"
+    assert not Path(environment["RELAYR_HOME"], "relayr.db").exists()
+
+
+def refuse_events_after(environment: dict[str, str], seq: int) -> None:
+    """Make the database refuse every event of acme/ops past ``seq``, as a full disk would: a
+    real failure of the write, deterministic, after the first transaction of a file."""
+    assert publish(environment, "deploy:finished", "--data", json.dumps(deploy(0))).exit_code == 0
+    database = sqlite3.connect(Path(environment["RELAYR_HOME"]) / "relayr.db")
+    with database:
+        database.execute(
+            "CREATE TRIGGER disk_full BEFORE INSERT ON reflexr_events "
+            f"WHEN NEW.workspace_id = 'ops' AND NEW.seq > {seq} "
+            "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"
+        )
+    database.close()
+
+
+@pytest.mark.parametrize(
+    ("prefix", "advice"),
+    [
+        (
+            ["--id-prefix", "import-9"],
+            "publishing the file again with the same --id-prefix import-9 adds only what is "
+            "missing",
+        ),
+        (
+            [],
+            f"publish only the lines after line {CHUNK_EVENTS}: without --id-prefix, publishing "
+            f"the file again would add the events of lines 1-{CHUNK_EVENTS} a second time",
+        ),
+    ],
+    ids=["with a prefix", "without"],
+)
+def test_a_file_published_half_way_says_what_is_safe_to_do_next(
+    environment: dict[str, str], tmp_path: Path, prefix: list[str], advice: str
+) -> None:
+    refuse_events_after(environment, 1 + CHUNK_EVENTS)  # the event above, then one chunk
+    events = write(tmp_path / "events.jsonl", [deploy(index) for index in range(LINES)])
+    result = publish(environment, "deploy:finished", "--data-file", str(events), *prefix)
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(
+        f"Error: published the events of lines 1-{CHUNK_EVENTS} ({CHUNK_EVENTS}), not the rest: "
+    )
+    assert line.endswith(f"IntegrityError: database or disk is full; {advice}")
+    assert len(log(environment)) == 1 + CHUNK_EVENTS

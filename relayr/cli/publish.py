@@ -3,10 +3,10 @@
 One event: ``--data`` with its fields as a JSON object, and ``--id`` to publish it once. Many:
 ``--data-file FILE`` (``-`` for stdin) with one JSON object per line, in one process:
 
-- **Everything is checked before the first write.** Each line must be a JSON object that is a
-  valid event (of EVENT_TYPE, or of the type its ``"type"`` names when EVENT_TYPE is left out);
-  the first bad line is refused with its number, exit code 2, and nothing is published.
-  Whether the application accepts each type from the command line is reflexr's to say, and it
+- **Everything is checked before the first write.** Each line must be UTF-8 text, a JSON
+  object and a valid event (of EVENT_TYPE, or of the type its ``"type"`` names when EVENT_TYPE
+  is left out); the first bad line is refused with its number, exit code 2, and nothing is
+  published. Whether the application accepts each type from the command line is reflexr's to say, and it
   says so before a transaction starts: the first transaction reaches past the first event of
   every type in the file, so a refusal comes before anything is written.
 - **Few transactions.** reflexr's ``publish_many`` logs a list of events atomically, in one
@@ -14,12 +14,15 @@ One event: ``--data`` with its fields as a JSON object, and ``--id`` to publish 
   the database's write lock for long nor builds one huge transaction.
 - **Once.** ``--id-prefix P`` gives the event of line N the id ``P-N``: publishing the file again
   adds nothing, and a file whose publishing stopped half way can be published again whole.
+  Without a prefix, the error of a publish that stopped half way names the last line published:
+  publish the lines after it, not the whole file again.
 - A progress bar on stderr when it is a terminal (tqdm), nothing otherwise.
 
 This command builds only the application's rules part (reflexr, ADR-0050): no artifactr.
 """
 
 import json
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +51,11 @@ CHUNK_EVENTS: Final = 500
 """Events per transaction of ``--data-file``. reflexr logs a chunk atomically in one
 transaction; 500 keep each one well under a second on SQLite (the write lock is held that long)
 while making a 100,000-line file 200 transactions instead of 100,000."""
+
+
+UNDECODED_BYTE: Final = re.compile("[\udc80-\udcff]")
+"""What ``surrogateescape`` makes of a byte that is not UTF-8: a lone surrogate, which no
+decoded text holds."""
 
 
 @dataclass(frozen=True)
@@ -128,11 +136,23 @@ def load(event_type: str | None, data: dict[str, Any], *, where: str) -> "Event"
 def read_lines(file: IO[str], id_prefix: str | None) -> list[Line]:
     """Every line of ``file`` as a JSON object; blank lines are skipped.
 
+    ``file`` is read with ``errors="surrogateescape"`` (``--data-file``'s type), so a byte that is
+    not UTF-8 reaches this function as a lone surrogate in its line instead of failing the read
+    of a whole chunk: its line is named here.
+
     Raises:
-        BadInput: Naming the first line that is not a JSON object, by its number.
+        BadInput: Naming the first line that is not UTF-8 text or not a JSON object, by its
+            number.
     """
     lines = []
     for number, text in enumerate(file, start=1):
+        undecodable = _undecodable(text)
+        if undecodable is not None:
+            column, byte = undecodable
+            fail(
+                f"line {number} of {_name(file)} is not UTF-8 text: byte 0x{byte:02x} at "
+                f"column {column}"
+            )
         if not text.strip():
             continue
         data = parse_data(text, where=f"line {number} of {_name(file)}")
@@ -159,7 +179,17 @@ def load_lines(lines: Sequence[Line], event_type: str | None, source: str) -> li
 
 
 def _name(file: IO[str]) -> str:
-    return "stdin" if file.name == "<stdin>" else str(file.name)
+    """The file's path, or ``stdin`` (whose text stream click may make without a name)."""
+    name = getattr(file, "name", "<stdin>")
+    return "stdin" if name == "<stdin>" else str(name)
+
+
+def _undecodable(text: str) -> tuple[int, int] | None:
+    """The column and value of the first byte of ``text`` that was not UTF-8 (a lone surrogate
+    ``surrogateescape`` left in its place), or None. A JSON escape such as ``\\udc80`` is
+    still six characters here, so only a byte that could not be decoded is found."""
+    found = UNDECODED_BYTE.search(text)
+    return None if found is None else (found.start() + 1, ord(found[0]) - 0xDC00)
 
 
 def chunks(lines: Sequence[Loaded], size: int = CHUNK_EVENTS) -> list[Sequence[Loaded]]:
@@ -194,7 +224,7 @@ def refused_line(lines: Sequence[Loaded], message: str) -> int | None:
 )
 @click.option(
     "--data-file",
-    type=click.File("r", encoding="utf-8"),
+    type=click.File("r", encoding="utf-8", errors="surrogateescape"),
     default=None,
     help="Many events: one JSON object per line (with 'type' when EVENT_TYPE is left out); "
     "'-' reads stdin. All are checked before the first is published.",
@@ -249,7 +279,7 @@ def publish(
         parse_id("--id-prefix", id_prefix)
     lines = read_lines(data_file, id_prefix)
     settings = load_settings()
-    _publish_lines(settings, workspace, lines, event_type, _name(data_file), as_json)
+    _publish_lines(settings, workspace, lines, event_type, _name(data_file), id_prefix, as_json)
 
 
 def _publisher() -> Any:
@@ -305,6 +335,7 @@ def _publish_lines(
     lines: Sequence[Line],
     event_type: str | None,
     source: str,
+    id_prefix: str | None,
     as_json: bool,
 ) -> None:
     from reflexr.core import Forbidden, NotFound
@@ -347,8 +378,7 @@ def _publish_lines(
         last = lines[len(done) - 1].number
         click.echo(
             f"Error: published the events of lines 1-{last} ({len(done)}), not the rest: "
-            f"{type(error).__name__}: {error}; publishing the file again with --id-prefix adds "
-            "only what is missing",
+            f"{_one_line(error)}; {_again(id_prefix, last)}",
             err=True,
         )
         sys.exit(EXIT_NOT_ALL_DONE)
@@ -370,6 +400,28 @@ def _publish_lines(
             f"{summary['first_seq']}-{summary['last_seq']}, in {summary['transactions']} "
             "transaction(s)"
         )
+
+
+def _one_line(error: Exception) -> str:
+    """The error as one line: the database driver's own error when SQLAlchemy wraps one (its
+    message runs over lines of SQL and parameters), else the error's first line."""
+    cause = getattr(error, "orig", None)
+    shown = cause if isinstance(cause, Exception) else error
+    lines = str(shown).strip().splitlines()
+    return f"{type(shown).__name__}: {lines[0] if lines else '-'}"
+
+
+def _again(id_prefix: str | None, last: int) -> str:
+    """What is safe to do after the lines up to ``last`` were published and the rest were not."""
+    if id_prefix is not None:
+        return (
+            f"publishing the file again with the same --id-prefix {id_prefix} adds only what is "
+            "missing"
+        )
+    return (
+        f"publish only the lines after line {last}: without --id-prefix, publishing the file "
+        f"again would add the events of lines 1-{last} a second time"
+    )
 
 
 class _NoProgress:
