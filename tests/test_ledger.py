@@ -1,17 +1,37 @@
-"""The ledger contract, one suite over every adapter: in memory, SQLite and PostgreSQL."""
+"""The ledger contract, one suite over every adapter: in memory, SQLite and PostgreSQL.
+
+The blocks of :meth:`relayr.ledger.Ledger.alongside` make real artifactr writes, as relayr's
+executor does: on SQL, on the ledger's own engine (as relayr wires them, one engine for
+artifactr's tables and the ledger's), so their causes ride the write's commit
+(:mod:`relayr.ledger.riding`); in memory, on artifactr's in-memory storage.
+"""
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from artifactr.sql import create_sqlite_engine
+from artifactr import (
+    InMemoryStorage,
+    JsonPatch,
+    MarkdownArtifact,
+    UserActor,
+    VersionConflict,
+    Versioned,
+    Workspace,
+    Workspaces,
+)
+from artifactr.core import EditArtifact, create_artifact
+from artifactr.sql import SqlStorage, create_sqlite_engine
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from relayr import application
 from relayr.core.errors import InvalidEmission
 from relayr.ledger import Cause, InMemoryLedger, Ledger, LedgerWrites, SqlLedger, WorkspaceKey
 from tests.builders import NOW, emission
@@ -62,6 +82,65 @@ async def ledger(storage_url: str | None) -> AsyncIterator[Ledger]:
     finally:
         await ledger.aclose()
         await engine.dispose()
+
+
+class LedgerNote(MarkdownArtifact):
+    """The artifact the blocks edit (kind ``ledger_note``)."""
+
+
+@dataclass(frozen=True)
+class Store:
+    """A ledger and an artifactr workspace on one storage, as relayr wires them."""
+
+    ledger: Ledger
+    artifacts: Workspace
+
+    async def note(self) -> Versioned[LedgerNote]:
+        """A new note, at version 1."""
+        created = await self.artifacts.commit(create_artifact(LedgerNote(text="v1")))
+        return await self.artifacts.get(LedgerNote, created.artifact_id)
+
+    async def edit(self, note: Versioned[LedgerNote], text: str) -> None:
+        """Commit an edit of ``note`` from its version (refused if the note moved on)."""
+        patch = JsonPatch(ops=({"op": "replace", "path": "/text", "value": text},))
+        await self.artifacts.commit(
+            EditArtifact(artifact_id=note.id, base_version=note.version, patch=patch)
+        )
+
+
+@asynccontextmanager
+async def opened_store(url: str | None) -> AsyncIterator[Store]:
+    """In memory for None. On SQL, relayr's engine for ``url`` with artifactr's tables, the
+    ledger on that engine (``SqlLedger.open``, as relayr's runtime builds it) and artifactr's
+    ``SqlStorage`` on it."""
+    person = UserActor(id="alice")
+    if url is None:
+        artifacts = Workspaces(InMemoryStorage(), types=[LedgerNote])
+        handle = await artifacts.open(WORKSPACE.tenant_id, WORKSPACE.workspace_id, actor=person)
+        yield Store(InMemoryLedger(), handle)
+        return
+    engine = application.create_engine(url)
+    try:
+        await application.migrate(engine, ["artifactr"])
+        ledger = await SqlLedger.open(engine)
+        artifacts = Workspaces(SqlStorage(engine), types=[LedgerNote])
+        handle = await artifacts.open(WORKSPACE.tenant_id, WORKSPACE.workspace_id, actor=person)
+        yield Store(ledger, handle)
+        await ledger.aclose()
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+async def store(storage_url: str | None) -> AsyncIterator[Store]:
+    async with opened_store(storage_url) as opened:
+        yield opened
+
+
+@pytest.fixture
+async def sql_store(sql_url: str) -> AsyncIterator[Store]:
+    async with opened_store(sql_url) as opened:
+        yield opened
 
 
 @pytest.fixture
@@ -126,50 +205,80 @@ async def test_concurrent_causes_under_one_key_keep_exactly_one(ledger: Ledger) 
     assert await ledger.cause(WORKSPACE, "message", "msg-1") == kept[0]
 
 
-class _Refused(Exception):
-    """The storage write a block made was refused (a version conflict, say)."""
-
-
-async def test_a_block_that_raised_leaves_its_causes_to_the_caller(ledger: Ledger) -> None:
+async def test_a_block_whose_write_was_refused_leaves_its_causes_to_the_caller(
+    store: Store,
+) -> None:
+    """artifactr refused the block's edit (its note moved on): nothing committed, no cause."""
+    note = await store.note()
+    await store.edit(note, "v2")
     writes = LedgerWrites()
-    writes.cause(WORKSPACE, "revision", "art-1@2", FIRST)
+    writes.cause(WORKSPACE, "revision", f"{note.id}@2", FIRST)
 
-    with pytest.raises(_Refused):
-        async with ledger.alongside(writes):
-            raise _Refused()
+    with pytest.raises(VersionConflict):
+        async with store.ledger.alongside(writes):
+            await store.edit(note, "v2 again")
 
     assert not writes.committed
-    assert await ledger.cause(WORKSPACE, "revision", "art-1@2") is None
+    assert await store.ledger.cause(WORKSPACE, "revision", f"{note.id}@2") is None
 
 
 async def test_a_block_that_completed_keeps_its_cause_over_one_that_raised(
-    ledger: Ledger,
+    store: Store,
 ) -> None:
     """Two runs edit one artifact from one version: the one that began first is refused after
     the other's write committed, and the revision's cause is the other's."""
+    note = await store.note()
+    revision = f"{note.id}@2"
     loser, winner = LedgerWrites(), LedgerWrites()
-    loser.cause(WORKSPACE, "revision", "art-1@2", FIRST)
-    winner.cause(WORKSPACE, "revision", "art-1@2", SECOND)
+    loser.cause(WORKSPACE, "revision", revision, FIRST)
+    winner.cause(WORKSPACE, "revision", revision, SECOND)
     loser_in, winner_done = asyncio.Event(), asyncio.Event()
 
     async def lose() -> None:
-        async with ledger.alongside(loser):
+        async with store.ledger.alongside(loser):
             loser_in.set()
             await winner_done.wait()
-            raise _Refused()
+            await store.edit(note, "the loser's")
 
     async def win() -> None:
         await loser_in.wait()
-        async with ledger.alongside(winner):
-            pass
+        async with store.ledger.alongside(winner):
+            await store.edit(note, "the winner's")
         winner_done.set()
 
     lost, won = await asyncio.gather(lose(), win(), return_exceptions=True)
 
-    assert isinstance(lost, _Refused)
+    assert isinstance(lost, VersionConflict), lost
     assert won is None
     assert (loser.committed, winner.committed) == (False, True)
-    assert await ledger.cause(WORKSPACE, "revision", "art-1@2") == SECOND
+    assert await store.ledger.cause(WORKSPACE, "revision", revision) == SECOND
+    assert (await store.artifacts.get(LedgerNote, note.id)).data.text == "the winner's"
+
+
+class _Died(Exception):
+    """The block ended right after its write, as a process killed then would."""
+
+
+async def test_causes_ride_the_commit_of_the_block_s_write(sql_store: Store) -> None:
+    """On SQL the cause is committed in the write's own transaction, before the block ends: a
+    block that dies right after its write still leaves the write's cause. (Memory has no
+    transaction to ride: it keeps the causes before the block.)"""
+    note = await sql_store.note()
+    writes = LedgerWrites()
+    writes.cause(WORKSPACE, "revision", f"{note.id}@2", FIRST)
+    committed_with_the_write: list[bool] = []
+
+    async def die_after_the_write() -> None:
+        async with sql_store.ledger.alongside(writes):
+            await sql_store.edit(note, "v2")
+            committed_with_the_write.append(writes.committed)
+            raise _Died()
+
+    with pytest.raises(_Died):
+        await die_after_the_write()
+
+    assert committed_with_the_write == [True]
+    assert await sql_store.ledger.cause(WORKSPACE, "revision", f"{note.id}@2") == FIRST
 
 
 async def test_emission_records_round_trip_oldest_first(ledger: Ledger) -> None:
