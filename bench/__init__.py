@@ -1,13 +1,31 @@
 """relayr's benchmarks: each prints its figures as JSON, one object per line, on stdout.
 
-- :mod:`bench.end_to_end` (``make bench``): publish ``deploy:finished`` events, run them on real
-  ``celery worker`` processes, measure runs per second and publish-to-notice latency; with
-  ``--all``, the whole sweep, the floor, the transaction counts and the memory check.
-- :mod:`bench.floor`: the same storage's floor, bare notice commits as an external agent.
+``make bench`` runs three of them:
+
+- :mod:`bench.targets`: the cases the throughput targets name, each with the floor of the same
+  run, then one verdict line per target (docs/performance.md, "Targets");
+- :mod:`bench.broker`: messages per second through kombu's filesystem transport and relayr's
+  (ADR-0013);
+- :mod:`bench.cli`: each command's wall time beside its reference (ADR-0050).
+
+The others measure one thing each, by hand:
+
+- :mod:`bench.end_to_end`: publish ``deploy:finished`` events, run them on real
+  ``celery worker`` processes, measure runs per second, publish-to-notice latency, SQL
+  transactions, CPU and memory per case; ``--full`` a sweep of sizes, worker counts, storages,
+  8 workspaces and the ``scope`` ordering, ``--all`` with the two below;
+- :mod:`bench.floor`: the same storage's floor, bare notice commits as an external agent;
 - :mod:`bench.transactions`: SQL transactions per notice run, publish included, and per
-  dispatcher pass, counted in every process.
+  dispatcher pass, counted in every process;
 - :mod:`bench.memory`: a pool process's peak RSS after 200 runs and after 5,000.
 
-They are measurements, not tests: nothing here asserts a target. ``docs/performance.md`` has
-the figures and what bounds them; ``tests/test_bench.py`` only checks that each one runs.
+What they share: :mod:`bench.cases` runs one end-to-end case (its storage, workers, publisher,
+dispatcher), :mod:`bench.figures` computes a case's figures, :mod:`bench.workers` starts the
+``celery worker`` processes, and :mod:`bench.common` holds the storage per case, the counting
+application the workers run and what is read from ``/proc``.
+
+They are measurements, not tests: only :mod:`bench.targets` judges a target, and its verdicts
+are printed, never asserted. ``docs/performance.md`` has the figures and what bounds them;
+``tests/test_bench.py`` and ``tests/test_bench_cli.py`` only check that each one runs, at a tiny
+size, and prints figures of the right shape.
 """

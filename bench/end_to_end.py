@@ -1,11 +1,11 @@
 """End to end: ``deploy:finished`` events published, notices committed by real workers.
 
-``python -m bench.end_to_end`` (``make bench``) measures, for each case, how fast the example
-application turns published events into committed notices: one ``deploy:finished`` event per
-``publish`` call (one SQL transaction each, as a source publishes), the dispatcher in this
-process (reflexr's evaluation, then each due run enqueued on Celery), and ``celery worker``
-processes (:mod:`bench.workers`) executing the runs. Every case has a storage of its own
-(:func:`bench.common.case_storage`).
+``python -m bench.end_to_end`` measures, for each case, how fast the example application turns
+published events into committed notices: one ``deploy:finished`` event per ``publish`` call
+(one SQL transaction each, as a source publishes), the dispatcher in this process (relayr's
+evaluation, then each due run enqueued on Celery; it follows artifactr's log back into reflexr
+unless ``--no-follow``), and ``celery worker`` processes (:mod:`bench.workers`) executing the
+runs. Every case has a storage of its own (:func:`bench.common.case_storage`).
 
 Figures, per case, one JSON object per line on stdout:
 
@@ -28,9 +28,10 @@ Figures, per case, one JSON object per line on stdout:
 "Workers" is the number of pool processes: one ``celery worker`` with prefork concurrency 1 or
 2 by default (``--worker-mode separate``: that many workers of concurrency 1).
 
-``--full`` runs the sweep of docs/performance.md (N 200, 1000, 5000; 1 and 2 workers; both
-storages; 8 workspaces; reflexr's default ordering); ``--all`` adds :mod:`bench.transactions`
-and :mod:`bench.memory`.
+``--full`` runs a sweep: N 200, 1000 and 5000 with 1 and 2 workers, N=1000 on 8 workspaces with
+1 and 2 workers, and N=1000 with every rule ordered by scope (reflexr's default), on each
+storage asked for; ``--all`` adds :mod:`bench.transactions` and :mod:`bench.memory`. The
+targets' cases are :mod:`bench.targets`' (``make bench``).
 """
 
 import argparse
@@ -41,7 +42,7 @@ from bench.common import APPS, STORAGES, emit, machine, quiet_logging, storage_a
 
 
 def full_sweep(args: argparse.Namespace) -> list[Case]:
-    """docs/performance.md's sweep."""
+    """The ``--full`` sweep: sizes and worker counts, 8 workspaces, and ``scope``, per storage."""
     cases = [
         Case(storage=storage, n=n, workers=workers)
         for storage in args.storage
@@ -88,7 +89,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="stop waiting for a round's notices after this long (default 300 s + 2 s per event);"
         " the figures then cover the notices in by then, with complete=false",
     )
-    parser.add_argument("--full", action="store_true", help="docs/performance.md's sweep")
+    parser.add_argument(
+        "--full", action="store_true", help="a sweep: N, workers, 8 workspaces, scope ordering"
+    )
     parser.add_argument("--all", action="store_true", help="--full, transactions and memory")
     args = parser.parse_args(argv)
     from bench import floor

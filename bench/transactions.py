@@ -8,37 +8,38 @@ process counts its publisher's, its dispatcher's and its poller's engines apart.
 taken once the workers are idle, before the first publish and after the last run, so a
 process's start (migrations, recovery) is left out.
 
-- ``per_notice_run``: the workers' transactions per run, plus one ``publish`` per event (the
-  target counts both: at most 6);
-- ``per_dispatch_pass``: the dispatcher's transactions per pass (tick, evaluation under its
-  lease, due runs); ``dispatch_per_run`` the same spread over the runs;
+- ``per_notice_run``: the workers' transactions per run, plus one ``publish`` per event;
+- ``per_dispatch_pass``: the dispatcher's transactions per pass (its reads, one evaluation
+  transaction per workspace with new envelopes (ADR-0028), the follower's batches, the due
+  runs' read when it is due); ``dispatch_per_run`` the same spread over the runs;
+- ``all_counted``: ``per_notice_run`` plus ``dispatch_per_run``, the figure the target judges
+  (:data:`bench.targets.TRANSACTIONS_PER_NOTICE_RUN`: at most 4), and ``met``;
 - the workers' ``rollback`` count: transactions that ended without a commit (reads).
 """
 
 import argparse
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 from bench.cases import Case, run_case
 from bench.common import STORAGES, emit, quiet_logging, storage_available
-
-TARGET_PER_NOTICE_RUN: Final = 6
-"""Issue 5's target: SQL transactions per notice run, the publish included."""
+from bench.targets import TRANSACTIONS_PER_NOTICE_RUN, all_counted
 
 
 def measure(storage: str, n: int, workers: int = 1) -> dict[str, Any]:
     case = Case(storage=storage, n=n, workers=workers)  # type: ignore[arg-type]
     (figures,) = run_case(case)
     counted = figures["transactions"]
-    per_run = counted["notice_run_with_publish"]
+    everything = all_counted(counted)
     return {
         "bench": "transactions",
         "storage": storage,
         "n": n,
         "worker_processes": workers,
-        "per_notice_run": per_run,
-        "per_notice_run_target": TARGET_PER_NOTICE_RUN,
-        "met": per_run is not None and per_run <= TARGET_PER_NOTICE_RUN,
+        "per_notice_run": counted["notice_run_with_publish"],
+        "all_counted": everything,
+        "all_counted_target": TRANSACTIONS_PER_NOTICE_RUN,
+        "met": everything is not None and everything <= TRANSACTIONS_PER_NOTICE_RUN,
         "worker_per_run": counted["worker_per_run"],
         "publish_per_run": counted["publish_per_run"],
         "per_dispatch_pass": counted["dispatch_per_pass"],

@@ -2,10 +2,13 @@
 
 Only the shape is checked, never a speed: on a shared machine a timing assertion would fail
 for reasons that are not relayr's. Each benchmark runs as ``python -m bench.<name>``, as a
-person runs it, on the embedded storage (no server needed).
+person runs it, on the embedded storage (no server needed): ``bench.targets`` (what
+``make bench`` runs first) with ``--tiny``, whose verdicts say they judge nothing.
+``bench.cli`` has a test of its own (tests/test_bench_cli.py).
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +27,17 @@ COMMANDS = {
     "transactions": ("bench.transactions", "--n", "4", "--storage", "sqlite"),
     "memory": ("bench.memory", "--first", "2", "--total", "5", "--storage", "sqlite"),
     "broker": ("bench.broker", "--n", "20", "--rounds", "1"),
+    "targets": ("bench.targets", "--tiny", "--storage", "sqlite"),
 }
 """Each benchmark at a tiny N. They run at once (each case has its own home, queue and
-SQLite file), so the module takes about as long as the slowest one."""
+SQLite file), so the module takes about as long as the slowest one, ``bench.targets`` (its
+four cases one after the other)."""
+
+TIMEOUT_S = 600
+"""A bound on each benchmark, not a pace: far above what the slowest takes on a busy machine."""
+
+TARGET_CASES = ("sqlite-none", "sqlite-scope", "sqlite-n6", "sqlite-n12")
+"""``bench.targets --tiny --storage sqlite``'s cases: both orderings, then the two bursts."""
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +56,7 @@ def printed() -> dict[str, list[dict[str, Any]]]:
     outputs: dict[str, list[dict[str, Any]]] = {}
     for name, process in running.items():
         try:
-            stdout, stderr = process.communicate(timeout=120)
+            stdout, stderr = process.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
             process.kill()
             stdout, stderr = process.communicate()
@@ -94,6 +105,10 @@ def test_transactions_prints_counts_per_notice_run_and_per_pass(
     assert figures["publish_per_run"] == 1.0
     assert figures["per_notice_run"] == figures["worker_per_run"] + 1.0
     assert figures["per_dispatch_pass"] > 0
+    assert figures["all_counted"] == pytest.approx(
+        figures["per_notice_run"] + figures["dispatch_per_run"], abs=0.01
+    )
+    assert figures["all_counted_target"] == 4.0
     assert isinstance(figures["met"], bool)
 
 
@@ -119,3 +134,34 @@ def test_broker_prints_messages_per_second_for_each_transport(
         assert figures["publish_per_s"] > 0
         assert figures["consume_per_s"] > 0
         assert len(figures["machine"]["load_avg"]) == 3
+
+
+def test_targets_prints_each_case_then_one_verdict_per_target(
+    printed: dict[str, list[dict[str, Any]]],
+) -> None:
+    lines = printed["targets"]
+    assert [line["bench"] for line in lines[:2]] == ["machine", "floor"]
+    cases = [line for line in lines if line["bench"] == "end_to_end"]
+    assert [case["case"] for case in cases] == list(TARGET_CASES)
+    for case in cases:
+        assert case["storage"] == "sqlite"
+        assert case["notices"] == case["n"]
+        assert case["complete"] is True
+    verdicts = [line for line in lines if line["bench"] == "verdict"]
+    assert lines[-len(verdicts) :] == verdicts
+    assert [verdict["target"] for verdict in verdicts] == [
+        "sqlite none: ms per run / floor",
+        "sqlite none: SQL transactions per notice run, all counted",
+        "sqlite scope: ms per run / floor",
+        "sqlite scope: SQL transactions per notice run, all counted",
+        "sqlite: scope / none per run",
+        "sqlite: duplicate deliveries in a burst of 12",
+        "sqlite: per run, N=12 / N=6",
+        "sqlite: pool peak RSS, N=12 / N=6",
+    ]
+    for verdict in verdicts:
+        assert set(verdict) == {"bench", "target", "limit", "figure", "verdict"}
+        assert isinstance(verdict["limit"], int | float)
+        assert isinstance(verdict["figure"], int | float)
+        # a tiny run judges nothing, whatever its figures
+        assert re.fullmatch(r"(met|missed) \(tiny run: not judged\)", verdict["verdict"])
