@@ -6,9 +6,9 @@ One event: ``--data`` with its fields as a JSON object, and ``--id`` to publish 
 - **Everything is checked before the first write.** Each line must be UTF-8 text, a JSON
   object and a valid event (of EVENT_TYPE, or of the type its ``"type"`` names when EVENT_TYPE
   is left out); the first bad line is refused with its number, exit code 2, and nothing is
-  published. Whether the application accepts each type from the command line is reflexr's to say, and it
-  says so before a transaction starts: the first transaction reaches past the first event of
-  every type in the file, so a refusal comes before anything is written.
+  published. Whether the application accepts each type from the command line is reflexr's to
+  say, and it says so before a transaction starts: the first transaction reaches past the first
+  event of every type in the file, so a refusal comes before anything is written.
 - **Few transactions.** reflexr's ``publish_many`` logs a list of events atomically, in one
   transaction; the file goes in chunks of :data:`CHUNK_EVENTS`, so a large file neither holds
   the database's write lock for long nor builds one huge transaction.
