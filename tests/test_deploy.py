@@ -9,6 +9,7 @@ shutdown grace of every worker deployment is checked against the time limits it 
 The image's recipe is replayed in a fresh virtualenv (no container engine runs here).
 """
 
+import ast
 import re
 import shlex
 import shutil
@@ -18,7 +19,7 @@ import venv
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import click
 import pytest
@@ -410,20 +411,55 @@ def test_pods_run_as_the_images_non_root_user() -> None:
         assert unit_values(path, "Service", "User") == ["relayr"]
 
 
-def test_no_shipped_file_promises_a_reload_no_process_makes() -> None:
-    """Nothing reloads the allowlist on a signal (a worker's main process takes SIGHUP as a
-    restart), so neither the example file nor the ConfigMap may say otherwise (issue 11)."""
-    shipped = [
-        REPO / "rules" / "allowlist.toml",
-        REPO / "deploy" / "k8s" / "allowlist-configmap.yaml",
-        REPO / "relayr" / "allowlist_file.py",
+HANGUP: Final = re.compile(r"\b(?:SIG)?HUP\b|\bkill\s+-1\b|\bExecReload\b", re.IGNORECASE)
+"""A hangup signal in any wording: its names, ``kill -1``, a systemd unit's reload command."""
+
+RELOAD: Final = re.compile(r"reload", re.IGNORECASE)
+
+CLAUSE_END: Final = re.compile(r"[.:;!?]\s")
+
+
+def operator_texts() -> list[Path]:
+    """What an operator reads: the deployment's files, the example's rules (their allowlist
+    and modules), the README and the operations guides; not the ADRs, which record, among
+    others, the promises that were wrong."""
+    files = [*DEPLOY.rglob("*"), *(REPO / "rules").rglob("*"), REPO / "README.md"]
+    files += (REPO / "docs").glob("*.md")
+    return sorted(path for path in files if path.is_file() and "__pycache__" not in path.parts)
+
+
+def clauses(text: str) -> Iterator[str]:
+    """``text``'s clauses, across line breaks and comment markers (``#``, ``//``, ``*``)."""
+    lines = (re.sub(r"^\s*(?:#+|//|\*)?\s*", "", line) for line in text.splitlines())
+    yield from CLAUSE_END.split(" ".join(lines) + " ")
+
+
+def test_no_shipped_file_promises_a_reload_on_a_signal() -> None:
+    """Nothing reloads the allowlist on a signal (a worker watches its file), and a Celery
+    worker's main process takes SIGHUP as a restart: an operator told to send it one to apply
+    a change would restart every worker instead. So no clause of what an operator reads names
+    a hangup signal together with a reload, in any wording; no systemd unit declares a reload
+    command; the allowlist's file and its ConfigMap say to send no signal; and no module of
+    relayr or tasks names SIGHUP in its code (a handler would have to)."""
+    promises = [
+        f"{path.relative_to(REPO)}: {clause.strip()}"
+        for path in operator_texts()
+        for clause in clauses(path.read_text(errors="replace"))
+        if HANGUP.search(clause) and RELOAD.search(clause)
     ]
-    for path in shipped:
-        text = path.read_text()
-        promises = [line for line in text.splitlines() if "SIGHUP" in line and "on SIGHUP" in line]
-        assert promises == [], path
-        if path.suffix != ".py":
-            assert "takes SIGHUP as a restart" in text, path
+    assert promises == []
+    for path in UNITS:
+        assert unit_values(path, "Service", "ExecReload") == [], path
+    for path in (REPO / "rules" / "allowlist.toml", DEPLOY / "k8s" / "allowlist-configmap.yaml"):
+        assert "takes SIGHUP as a restart, so send it none" in " ".join(clauses(path.read_text()))
+    handlers = [
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for path in sorted([*(REPO / "relayr").rglob("*.py"), *(REPO / "tasks").rglob("*.py")])
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Attribute) and node.attr == "SIGHUP")
+        or (isinstance(node, ast.Name) and node.id == "SIGHUP")
+    ]
+    assert handlers == []
 
 
 def test_the_allowlist_configmap_is_valid_and_reloads_live() -> None:
