@@ -9,12 +9,13 @@ An action that hands its work to a model builds the deps from its reaction and r
         result = await agent.run("...", deps=RuleTools.of(reaction))
         return {"tool_calls": result.usage.tool_calls}
 
-Each tool is one of the run's own writes, made through ``acting(reaction)``, so everything
-relayr promises of a rule's writes holds for its agent's: it acts as
+Each tool is one of the run's own reads or writes, made through ``acting(reaction)``, so
+everything relayr promises of a rule's writes holds for its agent's: it acts as
 ``external_agent:reflexr:<rule>``, where the allowlist lets it (``post_message`` is routed by
 it, ``create_thread`` needs ``create_threads``, an artifact change is a proposal unless its kind
-is ``direct``), and every id is derived from the run, so a retried attempt whose agent makes the
-same calls makes each write once.
+is ``direct`` and artifactr applies it), and every id is derived from the run, so a retried
+attempt whose agent makes the same calls makes each write once. Reads and writes share the
+attempt's one workspace handle and its retries of transient storage faults.
 
 A refusal the model can act on goes back to it as a retry prompt (pydantic-ai's
 ``ModelRetry``): the allowlist refused the write (``not_allowed``, ``no_thread``), the input was
@@ -32,16 +33,13 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Final, Self, override
 
 from artifactr import Artifact
-from artifactr import Workspace as ArtifactWorkspace
 from artifactr.agent.tools import artifact_text
-from artifactr.core import Rejection
 from pydantic import JsonValue, ValidationError
 from pydantic_ai import FunctionToolset, ModelRetry, RunContext
 from pydantic_ai.capabilities import AbstractCapability
 from reflexr.workspace import Reaction, RunFailure
 
 from relayr.actions import RunActions, acting
-from relayr.bridge import Bridge
 from relayr.core import reasons
 
 TOOL_RETRIES: Final = 2
@@ -70,19 +68,17 @@ input that was invalid. Any other refusal fails the run."""
 
 @dataclass
 class RuleTools:
-    """The deps of a rule's agent: the run's writes, and its reads of the run's workspace.
+    """The deps of a rule's agent: the run's reads and writes.
 
     Build it with :meth:`of` in the action, once per attempt (``acting`` hands the same
     RunActions to every call of one attempt, so ids count across the agent's tools).
 
     Attributes:
-        actions: The run's writes (:func:`relayr.actions.acting`).
-        bridge: What the run acts through: its artifactr workspaces, for reads.
+        actions: The run's reads and writes (:func:`relayr.actions.acting`), through the
+            attempt's one workspace handle.
     """
 
     actions: RunActions
-    bridge: Bridge
-    _reads: ArtifactWorkspace | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def of(cls, reaction: Reaction[Any]) -> Self:
@@ -91,19 +87,7 @@ class RuleTools:
         Raises:
             RunFailure: ``missing_run_context`` when relayr does not execute the run.
         """
-        actions = acting(reaction)
-        bridge = reaction.deps
-        assert isinstance(bridge, Bridge), "acting() accepts only a run relayr executes"
-        return cls(actions, bridge)
-
-    async def reads(self) -> ArtifactWorkspace:
-        """The run's workspace in artifactr, read as the rule's participant."""
-        if self._reads is None:
-            workspace = self.actions.workspace
-            self._reads = await self.bridge.artifacts.open(
-                workspace.tenant_id, workspace.workspace_id, actor=self.actions.actor
-            )
-        return self._reads
+        return cls(acting(reaction))
 
 
 async def _refusals_to_model[T](write: Callable[[], Awaitable[T]]) -> T:
@@ -139,11 +123,8 @@ def rule_toolset(types: Sequence[type[Artifact]] = ()) -> FunctionToolset[RuleTo
         Args:
             artifact_id: The artifact to read.
         """
-        reads = await ctx.deps.reads()
-        try:
-            return artifact_text(await reads.artifact(artifact_id))
-        except Rejection as refused:
-            raise ModelRetry(f"refused ({refused.code}): {refused.message}") from refused
+        actions = ctx.deps.actions
+        return artifact_text(await _refusals_to_model(lambda: actions.artifact(artifact_id)))
 
     @toolset.tool
     async def post_notice(
@@ -293,7 +274,7 @@ def _instructions(ctx: RunContext[RuleTools]) -> str:
     ]
     if allowed.threads != "chain":
         lines.append("You may post in any thread of the workspace.")
-    direct = ", ".join(sorted(allowed.direct))
+    direct = ", ".join(sorted(kind for kind in allowed.direct if actions.writes_directly(kind)))
     lines.append(
         f"Changes to {direct} are made directly; other changes are proposals for people."
         if direct

@@ -13,8 +13,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import structlog
-from artifactr import ExternalAgentActor, VersionConflict, Workspace
-from artifactr.core import Command, InvalidState, MessagePosted, NotFound, Rejection
+from artifactr import Artifact, ExternalAgentActor, VersionConflict, Versioned, Workspace
+from artifactr.core import (
+    Command,
+    InvalidState,
+    MessagePosted,
+    NotFound,
+    Outcome,
+    Rejection,
+    Thread,
+)
 from artifactr.workspace import ThreadBusy
 from reflexr.core import Run
 from reflexr.workspace import RunFailure
@@ -22,7 +30,7 @@ from reflexr.workspace import RunFailure
 from relayr import metrics, telemetry
 from relayr.bridge import Bridge
 from relayr.core import reasons
-from relayr.core.emissions import EmissionKind, EmissionOutcome, EmissionRecord
+from relayr.core.emissions import POLICY_OF_KIND, EmissionKind, EmissionOutcome, EmissionRecord
 from relayr.core.refusals import Refusal, classify, storage_failure
 from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind
 from relayr.transient import is_storage_error, retried
@@ -124,9 +132,10 @@ class Writes:
         record: EmissionRecord | None = None,
         *,
         doing: str,
-    ) -> None:
+    ) -> Outcome:
         """Commit ``command``; the write's cause, under each of ``keys``, (and ``record``) ride
-        in its transaction.
+        in its transaction. Returns what artifactr made of it: an artifact change sent directly
+        may come back ``Proposed``, which the caller reports as the proposal it is.
 
         A transient storage fault is retried: the command's id is derived, so a commit that
         did land is refused as used (``InvalidState``) the second time. When the commit is
@@ -141,12 +150,12 @@ class Writes:
         if record is not None:
             writes.emission(record)
 
-        async def step() -> None:
+        async def step() -> Outcome:
             async with self._bridge.ledger.alongside(writes):
-                await handle.commit(command)
+                return await handle.commit(command)
 
         try:
-            await self.guarded(doing, step)
+            return await self.guarded(doing, step)
         except BaseException:
             if not writes.committed:
                 for kind, key in keys:
@@ -187,26 +196,44 @@ class Writes:
                 return None
             after = page[-1].seq
 
-    async def existing_thread(self, thread_id: str) -> None:
-        """A proposal may name a thread artifactr does not check: check it here."""
+    async def thread(self, thread_id: str) -> Thread:
+        """The thread as it is now (its mode); refused ``thread_not_found`` if there is none,
+        which also checks a thread a proposal names, which artifactr does not check."""
         handle = await self.handle()
-        await self.guarded(f"reading thread {thread_id}", lambda: handle.thread(thread_id))
+        return await self.guarded(f"reading thread {thread_id}", lambda: handle.thread(thread_id))
 
-    async def artifact(self, artifact_id: str) -> Any:
-        """The artifact as it is now (a ``Versioned``)."""
+    async def artifact(self, artifact_id: str) -> Versioned[Artifact]:
+        """The artifact as it is now, archived or not; refused ``not_found`` if there is none."""
         handle = await self.handle()
         return await self.guarded(
             f"reading artifact {artifact_id}", lambda: handle.artifact(artifact_id)
         )
 
-    async def proposal_exists(self, proposal_id: str) -> bool:
-        """Whether an earlier attempt made the proposal ``proposal_id``."""
+    async def artifact_or_none(self, artifact_id: str) -> Versioned[Artifact] | None:
+        """The artifact as it is now, or None if there is none."""
         handle = await self.handle()
-        try:
-            await retried(lambda: handle.proposal(proposal_id))
-        except NotFound:
-            return False
-        return True
+
+        async def read() -> Versioned[Artifact] | None:
+            try:
+                return await handle.artifact(artifact_id)
+            except NotFound:
+                return None
+
+        return await self.guarded(f"reading artifact {artifact_id}", read)
+
+    async def proposal_exists(self, proposal_id: str) -> bool:
+        """Whether the proposal ``proposal_id`` exists (an earlier attempt, or this one's write
+        that artifactr turned into a proposal, made it)."""
+        handle = await self.handle()
+
+        async def read() -> bool:
+            try:
+                await handle.proposal(proposal_id)
+            except NotFound:
+                return False
+            return True
+
+        return await self.guarded(f"reading proposal {proposal_id}", read)
 
     def record(
         self,
@@ -228,7 +255,7 @@ class Writes:
             workspace_id=self.workspace.workspace_id,
             thread_id=thread,
             message_id=message_id,
-            policy="notice" if kind == "notice" else "turn",
+            policy=POLICY_OF_KIND[kind],
             outcome=outcome,
             content=content,
             emitted_at=self._bridge.clock(),

@@ -9,10 +9,10 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
-from artifactr import MarkdownArtifact, UserActor
+from artifactr import MarkdownArtifact, UserActor, WritePolicy
 from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.core import MessagePosted, ProposalCreated, create_artifact
 from pydantic import JsonValue
@@ -40,6 +40,7 @@ from relayr.dispatch import DUE_READ_INTERVAL_S, Dispatcher
 from relayr.executor import execute_runs
 from relayr.runtime import Runtime
 from relayr.settings import Settings
+from tests.test_outbound_defects import Down
 
 TENANT, WORKSPACE = "acme", "ops"
 RETRY_WAIT_S = 0.05
@@ -68,6 +69,12 @@ class ToolsRecord(MarkdownArtifact):
     """A kind the rule writes directly (the allowlist's ``direct``)."""
 
 
+class ToolsPlan(MarkdownArtifact):
+    """A kind the allowlist makes ``direct`` whose write policy makes agents propose."""
+
+    write_policy: ClassVar[WritePolicy] = "propose"
+
+
 async def _script(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     """Call the event's tools in turn (the script rides in the prompt), then answer."""
     first = messages[0]
@@ -89,7 +96,7 @@ async def _script(messages: list[ModelMessage], info: AgentInfo) -> ModelRespons
 AGENT = Agent(
     FunctionModel(_script),
     deps_type=RuleTools,
-    capabilities=[RuleCapability(types=[ToolsNote])],
+    capabilities=[RuleCapability(types=[ToolsNote, ToolsPlan])],
 )
 
 
@@ -126,7 +133,7 @@ RULES = [
 ALLOWLIST = f"""
 [rules."{RULE}"]
 threads = "chain"
-direct = ["tools_record"]
+direct = ["tools_record", "tools_plan"]
 """
 
 FORBIDDEN_ACTION = "artifactr:archive_artifact"
@@ -211,7 +218,7 @@ async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     storage = await open_storage(settings)
     application = Application(
         artifacts=ArtifactWorkspaces(
-            storage.artifacts, types=[ToolsNote, ToolsRecord], authorize=_authorize
+            storage.artifacts, types=[ToolsNote, ToolsRecord, ToolsPlan], authorize=_authorize
         ),
         rules=RuleWorkspaces(storage.rules, events=[Scripted], rules=RULES),
         actions={"scribe": scribe},
@@ -342,3 +349,43 @@ async def test_a_retried_attempt_makes_its_agent_writes_once(harness: Harness) -
         ("message_posted", "notice"),
         ("proposal_created", "create_artifact"),
     ]
+
+
+async def test_a_direct_write_that_artifactr_proposes_is_told_as_a_proposal(
+    harness: Harness,
+) -> None:
+    thread = await harness.thread()
+
+    done = await harness.script(
+        thread,
+        ("create_artifact", {"kind": "tools_plan", "data": {"text": "# plan"}}),
+        ("create_artifact", {"kind": "tools_plan", "data": {"text": "# plan"}}),
+    )
+
+    assert done.status == "succeeded", done.error
+    told = done.output["told"]  # type: ignore[index]
+    assert told[0].startswith("ok: proposed: proposal prp_"), told[0]
+    assert told[1].startswith("ok: proposed: proposal prp_"), told[1]
+    handle = await harness.artifacts()
+    assert sorted(p.id for p in await handle.proposals()) == sorted(
+        line.split()[3].rstrip(",") for line in told
+    )
+    assert await handle.artifacts(ToolsPlan) == []
+
+
+async def test_a_read_whose_storage_stays_down_fails_the_run_as_storage_unavailable(
+    harness: Harness,
+) -> None:
+    engines = harness.runtime.application.engines
+    if not engines:
+        pytest.skip("a storage fault needs SQL storage")
+    thread = await harness.thread()
+    handle = await harness.artifacts()
+    await handle.commit(create_artifact(ToolsNote(text="# runbook"), artifact_id="art_runbook"))
+
+    with Down("FROM artifactr_artifacts").on(engines[0]) as down:
+        done = await harness.script(thread, ("read_artifact", {"artifact_id": "art_runbook"}))
+
+    assert down.failed >= 3  # relayr read again before it gave up
+    assert (done.status, done.reason) == ("dead", "storage_unavailable")
+    assert "reading artifact art_runbook" in (done.error or "")

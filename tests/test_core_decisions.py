@@ -1,12 +1,15 @@
 """The core's decisions, as tables: where a post goes, what a refusal means, what a write may
-hold, and the lost-attempt count's format. No storage, no artifactr, no clock."""
+hold, the lost-attempt count's format and what a person may type. No storage, no artifactr, no
+clock."""
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from relayr.core import reasons
 from relayr.core.allowlist import Allowlist
+from relayr.core.parsing import Unreadable, parse_duration
 from relayr.core.refusals import RETRIED, Refusal, classify, storage_failure
 from relayr.core.routing import (
     Route,
@@ -74,10 +77,6 @@ def test_a_refused_send_says_what_to_do_instead() -> None:
     refused = route(NOTHING, "send", None, CHAIN, WRITER)
     assert isinstance(refused, Refusal)
     assert refused.message == "rule ops:triage may not start turns; post a notice"
-
-
-def test_a_route_names_its_policy() -> None:
-    assert (Route("t", True).policy, Route("t", False).policy) == ("turn", "notice")
 
 
 CLASSIFIED = [
@@ -157,7 +156,22 @@ def test_thread_creation_and_direct_writes_need_their_grants() -> None:
     assert refused is not None
     assert refused.reason == reasons.NOT_ALLOWED
     assert may_create_thread(EVERYTHING, WRITER) is None
-    assert (is_direct(EVERYTHING, "doc"), is_direct(EVERYTHING, "note")) == (True, False)
+
+
+DIRECT: list[tuple[str, str, bool, bool]] = [
+    # kind, its type's write policy, a thread in suggest mode: applied directly?
+    ("doc", "direct", False, True),
+    ("note", "direct", False, False),  # not in the allowlist's direct
+    ("doc", "propose", False, False),  # artifactr makes agents propose it
+    ("doc", "direct", True, False),  # artifactr makes agents propose in the thread
+]
+
+
+@pytest.mark.parametrize(("kind", "write_policy", "suggesting", "direct"), DIRECT)
+def test_a_write_is_direct_only_where_artifactr_applies_it(
+    kind: str, write_policy: str, suggesting: bool, direct: bool
+) -> None:
+    assert is_direct(EVERYTHING, kind, write_policy, suggesting=suggesting) is direct
 
 
 POINTERS: list[tuple[Any, str, tuple[Any, ...]]] = [
@@ -206,3 +220,28 @@ def test_lost_in_a_row(reason: str | None, error: str | None, lost: int) -> None
 def test_a_count_starts_at_one() -> None:
     with pytest.raises(ValueError, match="starts at 1"):
         reasons.abandoned_error(0)
+
+
+DURATIONS: list[tuple[str, timedelta | None]] = [
+    ("90s", timedelta(seconds=90)),
+    ("1h30m", timedelta(hours=1, minutes=30)),
+    ("7d", timedelta(days=7)),
+    ("", None),
+    ("90", None),
+    ("1h 30m", None),
+    ("-5m", None),
+    ("99999999999d", None),  # past what a timedelta holds
+    ("999999999d999999999d", None),
+    (f"{10**30}s", None),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), DURATIONS)
+def test_parse_duration(text: str, expected: timedelta | None) -> None:
+    if expected is not None:
+        assert parse_duration("--older-than", text) == expected
+        return
+    with pytest.raises(Unreadable) as unreadable:
+        parse_duration("--older-than", text)
+    assert unreadable.value.code == "bad_input"
+    assert str(unreadable.value).startswith(f"--older-than {text!r} is ")

@@ -1,9 +1,9 @@
 """Emission records: one durable, validated record of each notice or send a run made.
 
-Modelled on the "operator messages" emitters: the record says what was emitted, by which rule
-and run, where, by which route (``policy``) and with which outcome, and says what artifactr
-holds (a retried post whose first attempt posted a notice is recorded as that notice, whatever
-the allowlist says now). A record is validated when it is written and again when it is read; a
+The record says what was emitted, by which rule and run, where, by which route (``policy``)
+and with which outcome. It says what artifactr holds: a retried post whose first attempt
+posted a notice is recorded as that notice, whatever the allowlist says now (ADR-0062). A
+record is validated when it is written and again when it is read; a
 bad one is refused with a named code (:data:`CODES`) and never stored, so what ops read back is
 always a record this schema allows.
 
@@ -43,7 +43,10 @@ EMISSION_KINDS: Final = frozenset(get_args(EmissionKind.__value__))
 EMISSION_POLICIES: Final = frozenset(get_args(EmissionPolicy.__value__))
 EMISSION_OUTCOMES: Final = frozenset(get_args(EmissionOutcome.__value__))
 
-POLICY_OF_KIND: Final[Mapping[str, str]] = {"notice": "notice", "message": "turn"}
+POLICY_OF_KIND: Final[Mapping[EmissionKind, EmissionPolicy]] = {
+    "notice": "notice",
+    "message": "turn",
+}
 """Which route each kind takes: a notice is posted as one, a message is a send."""
 
 OUTCOMES_OF_KIND: Final[Mapping[str, frozenset[str]]] = {

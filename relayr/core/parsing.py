@@ -49,6 +49,11 @@ def parse_duration(what: str, text: str) -> timedelta:
     if not parts or "".join(number + unit for number, unit in parts) != text:
         raise Unreadable(f"{what} {text!r} is not a duration such as 90s, 15m, 2h or 7d")
     total = timedelta()
-    for number, unit in parts:
-        total += timedelta(**{_UNITS[unit]: int(number)})
+    try:
+        for number, unit in parts:
+            total += timedelta(**{_UNITS[unit]: int(number)})
+    except (OverflowError, ValueError):  # past what a timedelta holds
+        raise Unreadable(
+            f"{what} {text!r} is too long a duration: at most {timedelta.max.days}d"
+        ) from None
     return total

@@ -1,11 +1,12 @@
 """Where a rule's write goes and whether it may be made: decided before anything is written.
 
-As the "operator messages" emitters do, a write is validated before it is made: the thread it
-goes to, the permission it needs, its ids and its content. :func:`route` answers for a post (a
-notice, a send, or a post the allowlist routes), :func:`may_create_thread` for a new thread,
-:func:`is_direct` for an artifact write; :func:`content_refusal` and :func:`id_refusal` check
-what storage can hold. Each returns a decision or a :class:`~relayr.core.refusals.Refusal` with
-a reason from :mod:`relayr.core.reasons`; :class:`relayr.actions.RunActions` asks, then writes.
+A write is checked whole before any of it is made (ADR-0060): the thread it goes to, the
+permission it needs, its ids and its content, so a refused write leaves nothing behind and its
+refusal names what is wrong. :func:`route` answers for a post (a notice, a send, or a post the
+allowlist routes), :func:`may_create_thread` for a new thread, :func:`is_direct` for an artifact
+write; :func:`content_refusal` and :func:`id_refusal` check what storage can hold. Each returns
+a decision or a :class:`~relayr.core.refusals.Refusal` with a reason from
+:mod:`relayr.core.reasons`; :class:`relayr.actions.RunActions` asks, then writes.
 
 Pure: the allowlist in force, the run's chain of threads and the request in, a decision out.
 """
@@ -37,11 +38,6 @@ class Route:
 
     thread_id: str
     turn: bool
-
-    @property
-    def policy(self) -> Literal["turn", "notice"]:
-        """The emission record's ``policy`` of this route."""
-        return "turn" if self.turn else "notice"
 
 
 def thread_for(
@@ -116,9 +112,18 @@ def may_create_thread(allowlist: Allowlist, writer: Writer) -> Refusal | None:
     return Refusal(reasons.NOT_ALLOWED, f"rule {writer.rule} may not create threads")
 
 
-def is_direct(allowlist: Allowlist, kind: str) -> bool:
-    """Whether a write to an artifact of ``kind`` is made directly, else proposed."""
-    return kind in allowlist.direct
+def is_direct(
+    allowlist: Allowlist, kind: str, write_policy: str, *, suggesting: bool = False
+) -> bool:
+    """Whether a write to an artifact of ``kind`` is made directly, else proposed.
+
+    Direct only where the allowlist makes the kind ``direct`` and artifactr applies an agent's
+    write (a rule acts as an external agent): artifactr makes a proposal of every agent's
+    write to a kind whose ``write_policy`` is ``"propose"``, and of one that names a thread in
+    ``suggest`` mode (``suggesting``). Deciding it here lets a write that becomes a proposal be
+    sent as one, under its proposal's id only (ADR-0065).
+    """
+    return kind in allowlist.direct and write_policy != "propose" and not suggesting
 
 
 def content_refusal(content: str, writer: Writer) -> Refusal | None:
