@@ -7,8 +7,8 @@ worker is busy. A Celery broadcast ping is neither: it goes through the broker, 
 whose pool is full (or whose only process runs a long task) cannot answer it in time. So:
 
 - **Alive** is a heartbeat file whose mtime the process refreshes. A worker's main process
-  refreshes it from a timer of its own event loop (:func:`heartbeat_step`, a Celery bootstep),
-  which keeps turning while pool processes run tasks and stops when the main loop hangs; the
+  refreshes it from its consumer loop (:func:`heartbeat_step`, a Celery bootstep), which keeps
+  turning while pool processes run tasks and stops when the loop hangs, on every broker; the
   dispatcher refreshes it after each pass. The check reads one ``stat``.
 - **Reaches the broker**: a Redis ``PING`` (or the embedded broker's queues folder exists and is
   writable); **reaches the database**: ``SELECT 1``. Each with its own timeout, run together,
@@ -30,6 +30,7 @@ with the same settings as the process it checks.
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -319,12 +320,20 @@ def _missing_sqlite_file(url: str) -> str | None:
 
 
 def heartbeat_step(path: Path, interval_s: float = HEARTBEAT_INTERVAL_S) -> type:
-    """A Celery worker bootstep that keeps the heartbeat at ``path`` fresh.
+    """A Celery worker bootstep that keeps the heartbeat at ``path`` fresh from the consumer's
+    loop.
 
-    It beats on the worker's own timer, which (with the prefork pool on Redis) the main
-    process's event loop runs: a worker whose pool is busy still beats; one whose main loop is
-    stuck does not. Add it with ``app.steps["worker"].add(heartbeat_step(path))``. The file is
-    removed when the worker stops, so a stopped worker is never reported alive.
+    Every ``interval_s`` the worker's timer asks the consumer to beat (``Consumer.call_soon``),
+    and the consumer's loop touches the file the next time it turns. On Redis the timer is the
+    event loop's own, so that is one more callback of it; on the embedded broker (a transport
+    without an event loop) Celery runs the timer in a thread of its own, which would go on
+    beating while the loop is stuck, and Celery's blocking loop runs the callback between two
+    waits for a message (at most two seconds apart). Either way, a worker whose pool is busy
+    still beats; one whose consumer loop is stuck does not. While a beat waits for the loop, the
+    timer asks for no other, so a stuck loop piles up nothing.
+
+    Add it with ``app.steps["worker"].add(heartbeat_step(path))``. The file is removed when the
+    worker stops, so a stopped worker is never reported alive.
     """
     from celery import bootsteps
 
@@ -334,14 +343,30 @@ def heartbeat_step(path: Path, interval_s: float = HEARTBEAT_INTERVAL_S) -> type
         def __init__(self, worker: Any, **kwargs: Any) -> None:
             super().__init__(worker, **kwargs)
             self._entry: Any = None
+            self._asked = threading.Event()
+            self._stopped = False
 
         def start(self, worker: Any) -> None:
+            self._stopped = False
             touch_heartbeat(path)
             self._entry = worker.timer.call_repeatedly(
-                interval_s, touch_heartbeat, (path,), priority=10
+                interval_s, self._ask, (worker,), priority=10
             )
 
+        def _ask(self, worker: Any) -> None:
+            consumer = getattr(worker, "consumer", None)
+            if consumer is None or self._asked.is_set():
+                return
+            self._asked.set()
+            consumer.call_soon(self._beat)
+
+        def _beat(self) -> None:
+            self._asked.clear()
+            if not self._stopped:
+                touch_heartbeat(path)
+
         def stop(self, worker: Any) -> None:
+            self._stopped = True
             if self._entry is not None:
                 self._entry.cancel()
                 self._entry = None
