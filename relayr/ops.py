@@ -4,19 +4,27 @@ reflexr's store is the truth about a run (ADR-0001), so every command here reads
 changes it through reflexr's own operator operations, across every workspace unless one is
 named. A retry is reflexr's operator retry (the run is due now, its attempts start again from
 zero) followed by an enqueue, so ops need not wait for the dispatcher's next pass. The enqueue
-is only that shortcut: when the broker is down (:class:`relayr.core.errors.BrokerUnavailable`, after
-its bounded retries) the run stays retried, due now, for the dispatcher to enqueue once it can
-reach the broker, and the remaining runs are retried without trying the broker again. Retrying is
-always safe, because the run's writes have derived ids: a notice an earlier attempt posted is
-not posted again, and a send whose message was committed but whose turn was never asked gets
-its turn (ADR-0026).
+is only that shortcut: when it fails after reflexr's retry (the broker is down,
+:class:`relayr.core.errors.BrokerUnavailable` after its bounded retries, or refused the message)
+the run stays retried, due now, for the dispatcher to enqueue, and the remaining runs are
+retried without trying the broker again (ADR-0034). Retrying is always safe, because the run's
+writes have derived ids: a notice an earlier attempt posted is not posted again, and a send
+whose message was committed but whose turn was never asked gets its turn (ADR-0026).
+
+Runs are listed newest created first, the order reflexr's storage keeps and cuts a workspace's
+runs by (:func:`list_runs`). The command line and the console find the runs they are named
+(:func:`find_runs`) and the followers they report on (:func:`followers_of`) here too, so both
+refuse and read alike.
 """
 
+import heapq
+import itertools
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+import structlog
 from reflexr import UserActor
 from reflexr.core import (
     InvalidState,
@@ -41,6 +49,11 @@ from relayr.ledger.port import Ledger, WorkspaceKey
 if TYPE_CHECKING:
     from artifactr import Workspaces as ArtifactWorkspaces
 
+    from relayr.follow.follower import Followers
+    from relayr.runtime import Runtime
+
+logger = structlog.get_logger("relayr.ops")
+
 OPERATOR: Final = UserActor(id="relayr-ops", name="relayr ops")
 """Who retries, cancels and skips runs from the CLI, as reflexr's facts record it."""
 
@@ -58,6 +71,11 @@ RUN_FACTS: Final = (
     "reflexr:run_requeued",
     "reflexr:run_skipped",
 )
+
+ENQUEUE_FAILED: Final = "enqueue_failed"
+""":attr:`Done.enqueue_error` of a retried run whose enqueue failed otherwise than with the broker
+unavailable (:attr:`relayr.core.errors.BrokerUnavailable.code`): a message the broker refused,
+credentials it refused, a folder that cannot be written."""
 
 type EnqueueRun = Callable[[str, str, str], Awaitable[None]]
 """Hands one retried run to the queue: ``await enqueue(tenant_id, workspace_id, run_id)``
@@ -83,7 +101,10 @@ class RunRow:
     reason: str | None
     error: str | None
     next_attempt_at: datetime
+    created_at: datetime
     updated_at: datetime
+    fired_seq: int
+    """The seq of the event that made the run's rule fire: its facts come after it."""
 
     @classmethod
     def of(cls, ref: WorkspaceRef, run: Run) -> "RunRow":
@@ -97,7 +118,9 @@ class RunRow:
             reason=run.reason,
             error=run.error,
             next_attempt_at=run.next_attempt_at,
+            created_at=run.created_at,
             updated_at=run.updated_at,
+            fired_seq=run.fired_seq,
         )
 
     @property
@@ -106,8 +129,8 @@ class RunRow:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        data["next_attempt_at"] = self.next_attempt_at.isoformat()
-        data["updated_at"] = self.updated_at.isoformat()
+        for moment in ("next_attempt_at", "created_at", "updated_at"):
+            data[moment] = getattr(self, moment).isoformat()
         return data
 
 
@@ -162,7 +185,9 @@ class Done:
     """What an operation did to one run: changed it, or refused, and why.
 
     ``enqueued`` is a retry's: whether the run was handed to the broker at once (False: the
-    broker was unavailable, and the dispatcher will enqueue it); None for other operations.
+    enqueue failed, and the dispatcher will enqueue it); None for other operations.
+    ``enqueue_error`` says why it was not: ``broker_unavailable`` or :data:`ENQUEUE_FAILED` (the
+    detail names the error).
     """
 
     run_id: str
@@ -171,6 +196,7 @@ class Done:
     detail: str
     status: str | None = None
     enqueued: bool | None = None
+    enqueue_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -188,8 +214,16 @@ class RunFilter:
 
 
 async def list_runs(rules: Workspaces, query: RunFilter) -> list[RunRow]:
-    """Runs across every workspace (or the one named), newest first, filtered."""
-    rows: list[RunRow] = []
+    """Runs across every workspace (or the one named), newest created first, filtered.
+
+    reflexr's storage returns a workspace's runs newest created first and cuts them there
+    (``runs(limit=N)`` keeps the N created last), so the workspaces' lists are merged in that
+    order: the first N of the merge are the runs created last across every workspace, whatever
+    limit another read used, and a page never skips a run another page would show. An order by
+    last change would need every run of every workspace (one created long ago may have changed
+    just now); ``since`` reads them all, and keeps those that changed within it.
+    """
+    lists: list[list[RunRow]] = []
     storage = rules.storage
     for ref in await _refs(rules, query.workspace):
         runs = await storage.runs(
@@ -198,13 +232,15 @@ async def list_runs(rules: Workspaces, query: RunFilter) -> list[RunRow]:
             status=query.status,  # type: ignore[arg-type]
             limit=None if query.since else query.limit,
         )
-        rows.extend(
-            RunRow.of(ref, run)
-            for run in runs
-            if query.since is None or run.updated_at >= query.since
+        lists.append(
+            [
+                RunRow.of(ref, run)
+                for run in runs
+                if query.since is None or run.updated_at >= query.since
+            ]
         )
-    rows.sort(key=lambda row: row.updated_at, reverse=True)
-    return rows if query.limit is None else rows[: query.limit]
+    merged = heapq.merge(*lists, key=lambda row: row.created_at, reverse=True)
+    return list(itertools.islice(merged, query.limit))
 
 
 async def find_run(
@@ -218,15 +254,36 @@ async def find_run(
     return None
 
 
+async def find_runs(
+    rules: Workspaces, named: Iterable[tuple[WorkspaceKey | None, str]]
+) -> tuple[list[RunRow], list[Done]]:
+    """The runs named (each in its workspace, or the first that has it), and a refusal that
+    names each one that does not exist: ``no run fir_... in acme/ops``."""
+    found: list[RunRow] = []
+    missing: list[Done] = []
+    for workspace, run_id in named:
+        row = await find_run(rules, run_id, workspace)
+        if row is not None:
+            found.append(row)
+            continue
+        where = "" if workspace is None else f" in {workspace}"
+        missing.append(Done(run_id, str(workspace or "*"), False, f"no run {run_id}{where}"))
+    return found, missing
+
+
 async def show_run(
     rules: Workspaces,
     artifacts: "ArtifactWorkspaces",
     ledger: Ledger,
     row: RunRow,
 ) -> RunReport:
-    """A run's attempts, its emission records, and the turns its messages started."""
+    """A run's attempts, its emission records, and the turns its messages started.
+
+    The run's facts come after the event that made it fire, so the log is read from there, not
+    from the workspace's start (a long history of other runs' facts is not read).
+    """
     ref = WorkspaceRef(row.tenant_id, row.workspace_id)
-    facts = await rules.storage.read(ref, after_seq=0, types=RUN_FACTS)
+    facts = await rules.storage.read(ref, after_seq=row.fired_seq, types=RUN_FACTS)
     attempts = _attempts(
         (envelope.event, envelope.ts)
         for envelope in facts
@@ -242,13 +299,15 @@ async def retry(
 ) -> list[Done]:
     """reflexr's operator retry of each run, then an enqueue, so it runs at once.
 
-    When ``enqueue`` raises :class:`BrokerUnavailable`, that run and the rest are retried in
-    reflexr but not enqueued (``enqueued=False``): each stays due for the dispatcher.
+    When ``enqueue`` fails, with :class:`BrokerUnavailable` or any other error (logged), that
+    run and the rest are retried in reflexr but not enqueued (``enqueued=False``, the error in
+    the detail): each stays due for the dispatcher, and every run gets its result. The enqueue
+    is not tried again for the rest: a broker that failed one run in this call fails the next.
     """
-    unavailable: BrokerUnavailable | None = None
+    failed: tuple[str, str] | None = None  # once the enqueue failed: its code and message
 
     async def retry_one(row: RunRow) -> Done:
-        nonlocal unavailable
+        nonlocal failed
         if dry_run:
             current = await rules.storage.run(_ref(row), row.id)
             if current is None or current.status in ("succeeded", "running"):
@@ -257,16 +316,25 @@ async def retry(
             return Done(row.id, str(row.workspace), True, "would retry", current.status)
         handle = await rules.open(row.tenant_id, row.workspace_id, actor=OPERATOR)
         retried = await handle.retry_run(row.id)
-        if unavailable is None:
+        if failed is None:
             try:
                 await enqueue(row.tenant_id, row.workspace_id, row.id)
-            except BrokerUnavailable as error:
-                unavailable = error
+            except BrokerUnavailable as unavailable:
+                failed = (unavailable.code, unavailable.message)
+            except Exception as error:  # the run changed: its result must still be reported
+                failed = (ENQUEUE_FAILED, f"{type(error).__name__}: {error}")
+                logger.error(
+                    "a retried run was not enqueued; the dispatcher will enqueue it",
+                    run_id=row.id,
+                    workspace=str(row.workspace),
+                    error=failed[1],
+                )
             else:
                 done = "retried and enqueued"
                 return Done(row.id, str(row.workspace), True, done, retried.status, True)
-        detail = f"retried, not enqueued ({unavailable.message}); the dispatcher will enqueue it"
-        return Done(row.id, str(row.workspace), True, detail, retried.status, False)
+        code, why = failed
+        detail = f"retried, not enqueued ({why}); the dispatcher will enqueue it"
+        return Done(row.id, str(row.workspace), True, detail, retried.status, False, code)
 
     return [await _guarded(row, retry_one) for row in targets]
 
@@ -279,9 +347,14 @@ def not_enqueued(results: Sequence[Done], broker: str) -> str | None:
         return None
     listed = ", ".join(f"{result.run_id} ({result.workspace})" for result in left)
     them = "it" if len(left) == 1 else "them"
+    if all(result.enqueue_error == BrokerUnavailable.code for result in left):
+        return (
+            f"broker {broker} is unavailable: retried in reflexr but not enqueued: {listed}; "
+            f"the dispatcher will enqueue {them} once it reaches the broker"
+        )
     return (
-        f"broker {broker} is unavailable: retried in reflexr but not enqueued: {listed}; "
-        f"the dispatcher will enqueue {them} once it reaches the broker"
+        f"the enqueue on broker {broker} failed (each run's detail says why): retried in "
+        f"reflexr but not enqueued: {listed}; the dispatcher will enqueue {them}"
     )
 
 
@@ -305,6 +378,20 @@ async def skip(rules: Workspaces, targets: Sequence[RunRow], *, reason: str) -> 
         return Done(row.id, str(row.workspace), True, "skipped", skipped.status)
 
     return [await _guarded(row, skip_one) for row in targets]
+
+
+def followers_of(runtime: "Runtime") -> "Followers":
+    """The followers of the runtime's application, holding leases as the runtime's process
+    (``relayr follow`` and the console's health page). artifactr is imported here, when called:
+    listing and changing runs loads reflexr alone (ADR-0050)."""
+    from relayr.follow.follower import Followers
+
+    return Followers.of(
+        runtime.application,
+        runtime.bridge.ledger,
+        holder=runtime.holder,
+        lease_ttl_s=runtime.settings.lease_ttl_s,
+    )
 
 
 async def _guarded(row: RunRow, operation: Callable[[RunRow], Awaitable[Done]]) -> Done:

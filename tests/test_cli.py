@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 from reflexr import SourceActor
+from reflexr.workspace import Reactor
 
 from relayr.cli import cli
 from relayr.cli.processes import RelayrProcess, relayr_command
@@ -89,6 +90,10 @@ def test_every_command_has_help(command: list[str]) -> None:
         (["publish", "acme/ops", "deploy:finished", "--id", "two words"], "--id 'two words'"),
         (["thread", "create", "acme//ops", "--title", "x"], "is malformed"),
         (["thread", "show", "acme/ops", "thr x"], "THREAD 'thr x' is malformed"),
+        (["runs", "show", "fir x"], "RUN 'fir x' is malformed"),
+        (["runs", "retry", "fir_1", "fir/2"], "RUN 'fir/2' is malformed"),
+        (["runs", "cancel", "fir_1", "fir 2"], "RUN 'fir 2' is malformed"),
+        (["runs", "skip", "--reason", "x", "fir:\\"], "RUN 'fir:\\\\' is malformed"),
     ],
 )
 def test_malformed_arguments_are_refused_before_anything_opens(
@@ -149,6 +154,47 @@ def test_publishing_an_id_again_adds_nothing(environment: dict[str, str]) -> Non
     }
     assert json.loads(second.stdout)["duplicate"] is True
     assert events_in(environment, "acme", "ops") == 1
+
+
+def fired_run(environment: dict[str, str]) -> str:
+    """A run of the example's ``ops:deploy-notice``, fired in this process: it stays pending
+    (no worker runs it)."""
+    data = json.dumps({"service": "api", "status": "ok", "thread_id": "thr_1"})
+    published = invoke(environment, "publish", "acme/ops", "deploy:finished", "--data", data)
+    assert published.exit_code == 0, published.output
+
+    async def fire() -> str:
+        runtime = await Runtime.start(Settings.from_env(environment), role="cli")
+        async with runtime:
+            rules = runtime.application.rules
+            await Reactor(rules, actions=runtime.application.actions).evaluate()
+            log = await rules.open("acme", "ops", actor=SourceActor(name="test"))
+            [run] = await log.runs(rule="ops:deploy-notice")
+            return run.id
+
+    return asyncio.run(fire())
+
+
+def status_of(environment: dict[str, str], run_id: str) -> str:
+    shown = invoke(environment, "runs", "show", run_id, "--json")
+    assert shown.exit_code == 0, shown.output
+    status: str = json.loads(shown.stdout)["run"]["status"]
+    return status
+
+
+@pytest.mark.parametrize(
+    "command", [["retry"], ["cancel"], ["skip", "--reason", "retired"]], ids=lambda c: c[0]
+)
+def test_a_run_id_that_names_no_run_is_bad_input_and_changes_nothing(
+    environment: dict[str, str], command: list[str]
+) -> None:
+    run_id = fired_run(environment)
+    result = invoke(environment, "runs", *command, run_id, "fir_typo0000000000")
+    assert_refused(result, "Error: no run fir_typo0000000000: nothing was changed")
+    assert status_of(environment, run_id) == "pending"
+    where = invoke(environment, "runs", *command, "--workspace", "acme/billing", run_id)
+    assert_refused(where, f"no run {run_id} in acme/billing: nothing was changed")
+    assert status_of(environment, run_id) == "pending"
 
 
 # ─── trying a rule by hand ────────────────────────────────────────────────────

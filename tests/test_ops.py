@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from artifactr import UserActor
@@ -19,12 +19,14 @@ from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.agent import ArtifactWorkspace, Session, function_model
 from artifactr.core import MessagePosted, PostMessage, RunStarted
 from artifactr.sql import SqlStorage as ArtifactSql
+from kombu.exceptions import EncodeError
 from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
 from pydantic_ai.models.function import AgentInfo
 from reflexr import Event, RetryPolicy, Rule, SourceActor, on, run
 from reflexr.sql import SqlStorage as RuleSql
-from reflexr.workspace import Reaction, Reactor, RunFailure, Workspaces
+from reflexr.workspace import Reaction, Reactor, RunFailure, WorkspaceRef, Workspaces
+from structlog.testing import capture_logs
 
 from relayr.actions import acting
 from relayr.application import Application, create_engine, migrate
@@ -32,7 +34,18 @@ from relayr.core.allowlist_toml import parse_allowlist
 from relayr.core.ids import IdDeriver, digest
 from relayr.executor import execute_run
 from relayr.ledger import WorkspaceKey
-from relayr.ops import RunFilter, cancel, find_run, list_runs, retry, show_run, skip
+from relayr.ops import (
+    ENQUEUE_FAILED,
+    RunFilter,
+    cancel,
+    find_run,
+    find_runs,
+    list_runs,
+    not_enqueued,
+    retry,
+    show_run,
+    skip,
+)
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tests.test_actions import Note
@@ -132,8 +145,8 @@ class Ops:
             await asyncio.sleep(0.01)
         raise AssertionError(f"run {run_id} did not end")
 
-    async def fire(self, event: Event) -> str:
-        handle = await self.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
+    async def fire(self, event: Event, workspace: str = WORKSPACE) -> str:
+        handle = await self.rules.open(TENANT, workspace, actor=SourceActor(name="test"))
         published = await handle.publish(event)
         await self.reactor.evaluate()
         [fired] = [r for r in await handle.runs() if published.envelope.seq in r.matched]
@@ -279,6 +292,111 @@ async def test_dry_run_changes_nothing_and_cancel_and_skip_are_reflexrs(ops: Ops
     assert not again.ok
     assert "skipped" in again.detail
     assert await find_run(ops.rules, "fir_missing") is None
+
+
+async def test_a_shorter_list_is_the_start_of_the_longer_one(ops: Ops) -> None:
+    """reflexr cuts each workspace's runs at the newest created: the list is in that order, so
+    a run created first and changed last is on no page that read fewer runs (issue: ordered by
+    change, it was on neither the first page nor the second)."""
+    thread = await ops.thread()
+    created = [
+        await ops.fire(Flaked(thread_id=thread), workspace)
+        for workspace in (WORKSPACE, "billing", WORKSPACE, "billing", WORKSPACE)
+    ]
+    oldest = await find_run(ops.rules, created[0])
+    assert oldest is not None
+    [cancelled] = await cancel(ops.rules, [oldest], reason="changed last")
+    assert cancelled.ok
+
+    whole = await list_runs(ops.rules, RunFilter(limit=None))
+    assert [row.id for row in whole] == created[::-1]  # newest created first, every workspace
+    for limit in range(1, len(created) + 1):
+        shorter = await list_runs(ops.rules, RunFilter(limit=limit))
+        assert [row.id for row in shorter] == [row.id for row in whole[:limit]], limit
+    # what changed within a duration is found however long ago it was created
+    after = await find_run(ops.rules, created[0])
+    assert after is not None
+    [changed] = await list_runs(ops.rules, RunFilter(since=after.updated_at, limit=1))
+    assert (changed.id, changed.status) == (created[0], "cancelled")
+
+
+async def test_a_runs_facts_are_read_from_the_event_that_fired_it(ops: Ops) -> None:
+    thread = await ops.thread()
+    handle = await ops.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
+    for _ in range(5):  # a history before the run: its facts cannot be there
+        await handle.publish(Crashed(thread_id="thr_elsewhere"))
+    run_id = await ops.fire(Flaked(thread_id=thread))
+    assert await ops.until_ended(run_id) == "dead"
+    row = await find_run(ops.rules, run_id)
+    assert row is not None
+    assert row.fired_seq > 5
+
+    class Reading(RuleSql):
+        """reflexr's SQL storage, noting where each read of the log starts."""
+
+        starts: ClassVar[list[int]] = []
+
+        async def read(self, workspace: WorkspaceRef, **window: Any) -> Any:
+            self.starts.append(window.get("after_seq", 0))
+            return await super().read(workspace, **window)
+
+    [engine] = ops.runtime.application.engines
+    rules = Workspaces(Reading(engine), events=[Flaked, Crashed], rules=RULES)
+    artifacts, ledger = ops.runtime.application.artifacts, ops.runtime.bridge.ledger
+    report = await show_run(rules, artifacts, ledger, row)
+    assert Reading.starts == [row.fired_seq]
+    assert [(a.attempt, a.outcome) for a in report.attempts] == [(1, "failed"), (2, "dead")]
+
+
+async def test_an_enqueue_that_fails_for_good_leaves_every_run_retried_and_reported(
+    ops: Ops,
+) -> None:
+    """A message the broker cannot take (EncodeError), credentials it refuses, a folder that
+    cannot be written: not transient, so the enqueue raises it as it is, after reflexr's retry
+    changed the run. Every run still gets its result; the broker is not tried again."""
+    thread = await ops.thread()
+    run_ids = [await ops.fire(Flaked(thread_id=thread)) for _ in range(2)]
+    for run_id in run_ids:
+        assert await ops.until_ended(run_id) == "dead"
+    rows, missing = await find_runs(ops.rules, [(KEY, run_id) for run_id in run_ids])
+    assert missing == []
+    tried: list[str] = []
+
+    async def refusing(tenant_id: str, workspace_id: str, run_id: str) -> None:
+        tried.append(run_id)
+        raise EncodeError("Object of type bytes is not JSON serializable")
+
+    with capture_logs() as logs:
+        results = await retry(ops.rules, rows, refusing)
+    assert tried == run_ids[:1]
+    assert [(r.run_id, r.ok, r.status, r.enqueued) for r in results] == [
+        (run_id, True, "pending", False) for run_id in run_ids
+    ]
+    assert {r.enqueue_error for r in results} == {ENQUEUE_FAILED}
+    assert all("EncodeError: Object of type bytes" in r.detail for r in results)
+    for run_id in run_ids:
+        current = await ops.rules.storage.run(_ref(), run_id)
+        assert current is not None
+        assert current.status == "pending"
+    [logged] = [line for line in logs if line["log_level"] == "error"]
+    assert (logged["run_id"], logged["workspace"]) == (run_ids[0], str(KEY))
+    problem = not_enqueued(results, "redis://broker:6379/0")
+    assert problem is not None
+    assert problem.startswith("the enqueue on broker redis://broker:6379/0 failed")
+    assert problem.endswith(f"{run_ids[1]} ({KEY}); the dispatcher will enqueue them")
+
+
+async def test_runs_that_do_not_exist_are_named(ops: Ops) -> None:
+    thread = await ops.thread()
+    run_id = await ops.fire(Flaked(thread_id=thread))
+    found, missing = await find_runs(
+        ops.rules, [(None, run_id), (KEY, "fir_typo"), (None, "fir_gone")]
+    )
+    assert [row.id for row in found] == [run_id]
+    assert [(m.run_id, m.workspace, m.ok, m.detail) for m in missing] == [
+        ("fir_typo", str(KEY), False, f"no run fir_typo in {KEY}"),
+        ("fir_gone", "*", False, "no run fir_gone"),
+    ]
 
 
 TURN_START_S = 30.0

@@ -37,15 +37,11 @@ if TYPE_CHECKING:
 
 
 def followers_of(runtime: "Runtime") -> "Followers":
-    """The followers of the runtime's application, holding leases as the runtime's process."""
-    from relayr.follow.follower import Followers
+    """The followers of the runtime's application (:func:`relayr.ops.followers_of`, which the
+    console's health page reads too), imported when a command runs (ADR-0050)."""
+    from relayr.ops import followers_of as of_runtime
 
-    return Followers.of(
-        runtime.application,
-        runtime.bridge.ledger,
-        holder=runtime.holder,
-        lease_ttl_s=runtime.settings.lease_ttl_s,
-    )
+    return of_runtime(runtime)
 
 
 @click.group(invoke_without_command=True)

@@ -7,9 +7,11 @@ enqueues the run, so it runs without waiting for the dispatcher. Every command t
 has ``--json``.
 
 Exit codes: 0 when every run was changed (and, for a retry, enqueued); 1 when some were refused,
-or when the broker stayed unavailable through the enqueue's bounded retries (those runs are
-retried in reflexr and stay due: the dispatcher enqueues them; ADR-0034); 2 for bad input
-(arguments, settings, application, a run ``show`` cannot find).
+or when the enqueue failed (the broker stayed unavailable through its bounded retries, or
+refused the message: those runs are retried in reflexr and stay due, and the dispatcher
+enqueues them; ADR-0034); 2 for bad input: arguments, settings, application, a malformed run id,
+or a run id that names no run. Every id is checked, and every run found, before the first is
+changed: a typo among the ids changes nothing.
 
 ``list``, ``retry``, ``cancel`` and ``skip`` build the application's rules part only (reflexr,
 ADR-0050); ``show`` reads turns in artifactr and records in the ledger, so it starts a whole
@@ -29,6 +31,7 @@ from relayr.cli.helpers import (
     fail,
     in_runtime,
     load_settings,
+    parse_id,
     parse_optional_workspace,
     run_async,
 )
@@ -137,7 +140,9 @@ def runs_list(
     limit: int,
     as_json: bool,
 ) -> None:
-    """Runs, newest first: id, rule, status, attempts, last reason and error, next attempt."""
+    """Runs, newest created first: id, rule, status, attempts, last reason and error, next
+    attempt. --since reads every run and keeps those that changed within it, so a run created
+    long ago that died just now is found."""
     where = parse_optional_workspace(workspace)
     age = None if since is None else parse_duration(since)
     settings = load_settings()
@@ -167,6 +172,7 @@ def runs_list(
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def runs_show(run_id: str, workspace: str | None, as_json: bool) -> None:
     """A run's attempts, what it posted (emission records) and the turns its messages started."""
+    parse_id("RUN", run_id)
     where = parse_optional_workspace(workspace)
     settings = load_settings()
 
@@ -235,24 +241,28 @@ def runs_retry(
     still retried in reflexr (pending, due now) and the dispatcher enqueues them once it
     reaches the broker; one line on stderr names the broker and the runs.
 
-    Exit codes: 0 all retried and enqueued; 1 some refused, or not enqueued (broker
-    unavailable); 2 bad input.
+    Exit codes: 0 all retried and enqueued; 1 some refused, or not enqueued (the broker
+    unavailable, or refusing); 2 bad input: a malformed RUN, or one that names no run (then
+    nothing is retried).
     """
     if bool(run_ids) == dead:
         raise click.UsageError("name RUN ids or --dead, not both and not neither")
     if not dead and (rule or since):
         raise click.UsageError("--rule and --since select dead runs: use them with --dead")
+    ids = _parse_ids(run_ids)
     where = parse_optional_workspace(workspace)
     age = None if since is None else parse_duration(since)
     settings = load_settings()
     enqueue = enqueuer(settings)
 
     async def work(rules: "Workspaces") -> list["Done"]:
-        from relayr.ops import retry
+        from relayr.ops import list_runs, retry
 
-        query = _filter(rules, "dead", rule, where, age, None)
-        found, missing = await _targets(rules, run_ids, query)
-        return [*missing, *await retry(rules, found, enqueue, dry_run=dry_run)]
+        if dead:
+            found = await list_runs(rules, _filter(rules, "dead", rule, where, age, None))
+        else:
+            found = await _targets(rules, ids, where)
+        return await retry(rules, found, enqueue, dry_run=dry_run)
 
     results = on_rules(settings, work)
     from relayr.health import redact
@@ -271,14 +281,14 @@ def runs_cancel(
     run_ids: tuple[str, ...], workspace: str | None, reason: str, as_json: bool
 ) -> None:
     """Cancel runs; a running attempt's result is dropped."""
+    ids = _parse_ids(run_ids)
     where = parse_optional_workspace(workspace)
     settings = load_settings()
 
     async def work(rules: "Workspaces") -> list["Done"]:
         from relayr.ops import cancel
 
-        found, missing = await _targets(rules, run_ids, _filter(rules, None, None, where))
-        return [*missing, *await cancel(rules, found, reason=reason)]
+        return await cancel(rules, await _targets(rules, ids, where), reason=reason)
 
     _report(on_rules(settings, work), as_json)
 
@@ -290,14 +300,14 @@ def runs_cancel(
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of results.")
 def runs_skip(run_ids: tuple[str, ...], reason: str, workspace: str | None, as_json: bool) -> None:
     """Skip runs: they will not run, and their scope moves on."""
+    ids = _parse_ids(run_ids)
     where = parse_optional_workspace(workspace)
     settings = load_settings()
 
     async def work(rules: "Workspaces") -> list["Done"]:
         from relayr.ops import skip
 
-        found, missing = await _targets(rules, run_ids, _filter(rules, None, None, where))
-        return [*missing, *await skip(rules, found, reason=reason)]
+        return await skip(rules, await _targets(rules, ids, where), reason=reason)
 
     _report(on_rules(settings, work), as_json)
 
@@ -325,22 +335,30 @@ def _filter(
     return RunFilter(status=status, rule=rule, workspace=_key(where), since=since, limit=limit)
 
 
-async def _targets(
-    rules: "Workspaces", run_ids: Sequence[str], query: "RunFilter"
-) -> tuple[list["RunRow"], list["Done"]]:
-    from relayr.ops import Done, find_run, list_runs
+def _parse_ids(run_ids: Sequence[str]) -> list[str]:
+    """The RUN ids, each checked, each once, in the order given.
 
-    if not run_ids:
-        return await list_runs(rules, query), []
-    found: list[RunRow] = []
-    missing: list[Done] = []
-    for run_id in run_ids:
-        row = await find_run(rules, run_id, query.workspace)
-        if row is None:
-            missing.append(Done(run_id, str(query.workspace or "*"), False, f"no run {run_id}"))
-        else:
-            found.append(row)
-    return found, missing
+    Raises:
+        BadInput: Naming the first that is malformed.
+    """
+    return [parse_id("RUN", run_id) for run_id in dict.fromkeys(run_ids)]
+
+
+async def _targets(
+    rules: "Workspaces", run_ids: Sequence[str], where: Where | None
+) -> list["RunRow"]:
+    """The runs named, every one of them.
+
+    Raises:
+        BadInput: Naming each id that names no run (in ``where``): nothing has been changed.
+    """
+    from relayr.ops import find_runs
+
+    key = _key(where)
+    found, missing = await find_runs(rules, [(key, run_id) for run_id in run_ids])
+    if missing:
+        fail("; ".join(refusal.detail for refusal in missing) + ": nothing was changed")
+    return found
 
 
 def _report(results: list["Done"], as_json: bool, *, problem: str | None = None) -> None:

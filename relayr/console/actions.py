@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops import Done, EnqueueRun, RunRow, cancel, find_run, list_runs, retry, skip
+from relayr.ops import Done, EnqueueRun, RunRow, cancel, find_runs, list_runs, retry, skip
 from relayr.runtime import Runtime
 
 from .queries import RunQuery
@@ -108,13 +108,9 @@ async def confirm_retry(
 async def _find(
     runtime: Runtime, named: Sequence[tuple[WorkspaceKey | None, str]]
 ) -> tuple[list[RunRow], list[Done]]:
-    """The runs named, and a refusal for each that does not exist (as ``relayr runs``)."""
-    found: list[RunRow] = []
-    missing: list[Done] = []
-    for workspace, run_id in named:
-        row = await find_run(runtime.application.rules, run_id, workspace)
-        if row is None:
-            missing.append(Done(run_id, str(workspace or "*"), False, f"no run {run_id}"))
-        else:
-            found.append(row)
-    return found, missing
+    """The runs named, and a refusal for each that does not exist (:func:`relayr.ops.find_runs`).
+
+    A page shows each refusal next to the other runs' results; the command line refuses them
+    all before acting instead, since it was typed (a typo), where a page's form names what a
+    page showed (a run that may have gone since)."""
+    return await find_runs(runtime.application.rules, named)

@@ -10,7 +10,7 @@ stored is ever rendered as markup; the pages carry no script.
 
 Pages:
 
-- ``/runs``: runs across every workspace, newest first, filtered and paginated;
+- ``/runs``: runs across every workspace, newest created first, filtered and paginated;
 - ``/run?id=&workspace=``: one run whole, with its actions;
 - ``/thread?workspace=&id=``: a thread's transcript;
 - ``/allowlist``: what every rule may do, and which entry said so;

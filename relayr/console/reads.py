@@ -24,7 +24,6 @@ from reflexr.workspace import WorkspaceRef
 from relayr.allowlist_file import load_allowlist
 from relayr.broker import queue_depth
 from relayr.core.errors import InvalidAllowlist, Problem
-from relayr.follow.follower import Followers
 from relayr.follow.reports import WorkspaceStatus
 from relayr.health import (
     DEFAULT_MAX_AGE_S,
@@ -37,7 +36,7 @@ from relayr.health import (
     heartbeat_path,
 )
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops import RunReport, RunRow, find_run, list_runs, show_run
+from relayr.ops import RunReport, RunRow, find_run, followers_of, list_runs, show_run
 from relayr.runtime import Runtime
 from relayr.transcript import ThreadEntry, read_thread
 
@@ -66,7 +65,8 @@ QUEUE_DEPTH_TIMEOUT_S: Final = DEFAULT_TIMEOUT_S
 
 @dataclass(frozen=True)
 class RunsPage:
-    """One page of the runs list, newest first."""
+    """One page of the runs list, newest created first (:func:`relayr.ops.list_runs`: a page
+    shows the runs the pages before it did not)."""
 
     query: RunQuery
     rows: list[RunRow]
@@ -285,13 +285,7 @@ async def _queue_depth(runtime: Runtime) -> QueueDepth:
 
 
 async def _followers(runtime: Runtime) -> FollowersStatus:
-    followers = Followers.of(
-        runtime.application,
-        runtime.bridge.ledger,
-        holder=runtime.holder,
-        lease_ttl_s=runtime.settings.lease_ttl_s,
-    )
     try:
-        return FollowersStatus(await followers.status())
+        return FollowersStatus(await followers_of(runtime).status())
     except Exception as error:  # a page that says why beats a page that fails
         return FollowersStatus([], f"{type(error).__name__}: {error}")
