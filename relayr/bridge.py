@@ -83,14 +83,8 @@ class StartedTurns:
             )
 
     def running(self) -> list[RunHandle]:
+        """The turns still running (a shutdown waits for them, :mod:`relayr.runtime`)."""
         return [handle for handle in self.handles if not handle.task.done()]
-
-    async def wait(self, timeout_s: float) -> int:
-        """Wait up to ``timeout_s`` for the running turns; return how many are still running."""
-        pending = [handle.task for handle in self.running()]
-        if pending:
-            await asyncio.wait(pending, timeout=timeout_s)
-        return len(self.running())
 
 
 @dataclass

@@ -55,7 +55,11 @@ DISPATCH_INTERVAL_S: Final = 0.5
 
 INBOUND_RULES: Final = ("ops:agent-replied", "ops:page-on-call", "ops:incident-scribe")
 """The example's rules that answer bridged events (``rules.example.INBOUND_RULES``): each runs
-once per incident, in the incident's chain, and posts one notice."""
+once per incident, in the incident's chain, and posts one notice.
+
+This and the two below are copies: the engine imports no application (``rules`` builds on
+``relayr``, not the other way). tests/test_example_inbound.py keeps them equal to the
+example's."""
 
 SCRIBE_RULE: Final = "ops:incident-scribe"
 TOOL_CALLS_PER_INCIDENT: Final = 2

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from relayr.application import (
+    Application,
     Factory,
     Library,
     create_engine,
@@ -48,8 +49,18 @@ PARTS_ATTRIBUTE: Final = "relayr_parts"
 """Where :func:`with_parts` keeps a factory's parts: an attribute of the factory function."""
 
 
+class _Engines:
+    """A part's engines, disposed of when the command is done."""
+
+    engines: tuple[AsyncEngine, ...]
+
+    async def aclose(self) -> None:
+        for engine in self.engines:
+            await engine.dispose()
+
+
 @dataclass(frozen=True)
-class RulesPart:
+class RulesPart(_Engines):
     """reflexr's workspaces of an application, with its events and rules: no actions, no agent.
 
     Attributes:
@@ -60,13 +71,9 @@ class RulesPart:
     rules: RuleWorkspaces
     engines: tuple[AsyncEngine, ...] = ()
 
-    async def aclose(self) -> None:
-        for engine in self.engines:
-            await engine.dispose()
-
 
 @dataclass(frozen=True)
-class ArtifactsPart:
+class ArtifactsPart(_Engines):
     """artifactr's workspaces of an application, with its artifact types and hooks.
 
     Attributes:
@@ -76,10 +83,6 @@ class ArtifactsPart:
 
     artifacts: ArtifactWorkspaces
     engines: tuple[AsyncEngine, ...] = ()
-
-    async def aclose(self) -> None:
-        for engine in self.engines:
-            await engine.dispose()
 
 
 type RulesFactory = Callable[[Settings], Awaitable[RulesPart]]
@@ -188,25 +191,12 @@ async def opened_rules(settings: Settings) -> AsyncIterator[RuleWorkspaces]:
         InvalidApplication: If the factory cannot be loaded, or a part or the application it
             builds is not what it must be.
     """
-    factory = load_factory(settings.app)
-    declared = parts_of(factory).rules
-    if declared is None:
-        application = await load_application(settings)
-        try:
-            yield application.rules
-        finally:
-            await application.aclose()
-        return
-    part = await declared(settings)
-    if not isinstance(part, RulesPart):
-        raise InvalidApplication(
-            f"application {settings.app!r}: its rules part returned {type(part).__name__}, "
-            "not a RulesPart"
-        )
+    declared = parts_of(load_factory(settings.app)).rules
+    opened = await _built(settings, "rules", declared, RulesPart)
     try:
-        yield part.rules
+        yield opened.rules
     finally:
-        await part.aclose()
+        await opened.aclose()
 
 
 @asynccontextmanager
@@ -219,22 +209,27 @@ async def opened_artifacts(settings: Settings) -> AsyncIterator[ArtifactWorkspac
         InvalidApplication: If the factory cannot be loaded, or a part or the application it
             builds is not what it must be.
     """
-    factory = load_factory(settings.app)
-    declared = parts_of(factory).artifacts
-    if declared is None:
-        application = await load_application(settings)
-        try:
-            yield application.artifacts
-        finally:
-            await application.aclose()
-        return
-    part = await declared(settings)
-    if not isinstance(part, ArtifactsPart):
-        raise InvalidApplication(
-            f"application {settings.app!r}: its artifacts part returned {type(part).__name__}, "
-            "not an ArtifactsPart"
-        )
+    declared = parts_of(load_factory(settings.app)).artifacts
+    opened = await _built(settings, "artifacts", declared, ArtifactsPart)
     try:
-        yield part.artifacts
+        yield opened.artifacts
     finally:
-        await part.aclose()
+        await opened.aclose()
+
+
+async def _built[P: (RulesPart, ArtifactsPart)](
+    settings: Settings,
+    side: str,
+    declared: Callable[[Settings], Awaitable[P]] | None,
+    part: type[P],
+) -> P | Application:
+    """The ``declared`` part, checked to be a ``part``; the whole application if none is."""
+    if declared is None:
+        return await load_application(settings)
+    built = await declared(settings)
+    if not isinstance(built, part):
+        raise InvalidApplication(
+            f"application {settings.app!r}: its {side} part returned {type(built).__name__}, "
+            f"not the {part.__name__} it must return"
+        )
+    return built

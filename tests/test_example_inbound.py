@@ -15,12 +15,14 @@ from artifactr import UserActor
 from artifactr.core import MessagePosted, ProposalCreated
 from reflexr import SourceActor
 
+from relayr import demo
 from relayr.batch import RunBatch
 from relayr.dispatch import Dispatcher
 from relayr.executor import execute_runs
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from rules.example import REPLY, SCRIBE_TOOL_CALLS, IncidentOpened
+from rules.example.rules import INBOUND_RULES, INCIDENT_SCRIBE
 from tests.workers import ALLOWLIST
 
 TENANT, WORKSPACE = "acme", "ops"
@@ -111,3 +113,11 @@ async def test_an_incident_is_followed_up_paged_and_written_up(runtime: Runtime)
     triage = runs["ops:incident-triage"]
     for rule in ("ops:agent-replied", "ops:page-on-call", "ops:incident-scribe"):
         assert (runs[rule].correlation_id, runs[rule].depth) == (triage.correlation_id, 1)
+
+
+def test_the_demo_counts_the_example_s_inbound_rules_as_they_are() -> None:
+    """:mod:`relayr.demo` keeps its own copies of the example's names and counts (the engine
+    imports no application): they are the example's."""
+    assert tuple(rule.name for rule in INBOUND_RULES) == demo.INBOUND_RULES
+    assert INCIDENT_SCRIBE.name == demo.SCRIBE_RULE
+    assert demo.TOOL_CALLS_PER_INCIDENT == SCRIBE_TOOL_CALLS
