@@ -14,6 +14,12 @@ with every other transaction on that workspace:
   next run of each scope that a finished run held back (:class:`ScopeOrder`), so a scope
   ordered by scope goes on without a trip through the broker.
 
+Each step is tried again after a transient fault (:mod:`relayr.transient`), and a fault during
+COMMIT may hide a commit that took effect (a connection lost as PostgreSQL committed). The next
+try would meet that work as if another executor had done it: an attempt it started would look
+abandoned, a run it finished no longer current. So the tries of one step share a
+:class:`Tries`, which finds the last try's commit and returns that try's result.
+
 A scope's order is read once, when its first run is claimed: reading every unfinished run of a
 scope for each claim would cost time that grows with the scope's backlog. Later claims in the
 scope re-read only the runs before the claimed one that had not succeeded, which is exact: a
@@ -21,7 +27,7 @@ run fired later always comes later in the scope's order (its ``fired_seq`` is th
 newer envelope), and a run that succeeded never runs again (ADR-0024).
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -157,6 +163,51 @@ class Finished:
     successor: str | None = None
 
 
+@dataclass(frozen=True)
+class Completion:
+    """What :func:`complete` did: each ended attempt's outcome, the successors it started, and
+    the successors it found ``running`` under a lease that had lapsed, so recorded
+    ``abandoned`` (none of them ran)."""
+
+    executed: dict[str, Executed]
+    started: list[Claimed]
+    abandoned: dict[str, Executed]
+
+
+type _Mark = tuple[str, int, int, datetime]
+
+
+def _mark(run: Run) -> _Mark:
+    return (run.status, run.epoch, run.attempts, run.updated_at)
+
+
+@dataclass
+class Tries[T]:
+    """The tries of one step, and what the last of them was about to commit.
+
+    Every change a step makes moves a run to another status at that try's own ``now``, which
+    no one else writes, so a run that reads back exactly as the last try saved it (status,
+    epoch, attempts, ``updated_at``) was saved by that try: its transaction committed whole,
+    and its result stands. A try that finds nothing of the last one's in the store acts
+    afresh, as that one rolled back.
+    """
+
+    saved: dict[str, Run] = field(default_factory=dict)
+    result: T | None = None
+
+    def about_to_commit(self, runs: Iterable[Run], result: T) -> None:
+        self.saved = {run.id: run for run in runs}  # the last version of each run
+        self.result = result
+
+    async def committed(self, transaction: Transaction) -> T | None:
+        """The last try's result if its commit took effect, else None."""
+        for saved in self.saved.values():
+            stored = await transaction.run(saved.id)
+            if stored is not None and _mark(stored) == _mark(saved):
+                return self.result
+        return None
+
+
 class NothingThere(Exception):
     """Raised inside a transaction that found none of its runs, so it rolls back: reflexr's
     storage records a workspace when a transaction on it commits, and a task naming a workspace
@@ -189,114 +240,200 @@ class _Changes:
 
 
 async def claim(
-    rules: Workspaces, ref: WorkspaceRef, run_ids: Sequence[str], *, max_lost: int
+    rules: Workspaces,
+    ref: WorkspaceRef,
+    run_ids: Sequence[str],
+    *,
+    max_lost: int,
+    tries: Tries[dict[str, Claimed | Executed]] | None = None,
 ) -> dict[str, Claimed | Executed]:
     """Start an attempt of every run of ``run_ids`` that can start, in one transaction.
+
+    ``tries`` is shared by the tries of one claim (see the module).
 
     Raises:
         NothingThere: If no run of ``run_ids`` exists (the transaction rolls back).
     """
+    tries = Tries() if tries is None else tries
     async with rules.storage.transaction(ref) as transaction:
-        now = rules.clock()
-        found = await rules.rules_in(transaction)
-        claims: dict[str, Claimed | Executed] = {}
-        changes = _Changes()
-        orders: dict[tuple[str, str], ScopeOrder] = {}
-        for run_id in run_ids:
-            run = await transaction.run(run_id)
-            if run is None:
-                claims[run_id] = missing(ref, run_id)
-                continue
-            rule = found.get(run.rule)
-            if rule is None:
-                claims[run_id] = _cancel_orphan(changes, run, now)
-                continue
-            order = None
-            if rule.rule.ordering == "scope" and run.status in WAITING:
-                key = (run.rule, run.scope_key)
-                if key not in orders:
-                    scope = await transaction.scope_runs(run.rule, run.scope_key)
-                    orders[key] = ScopeOrder(scope)
-                order = orders[key]
-            claims[run_id] = await _claim_one(
-                transaction, changes, run, rule.rule, now, order, max_lost=max_lost, fresh=True
-            )
-        if all(isinstance(c, Executed) and c.outcome == "missing" for c in claims.values()):
-            raise NothingThere(f"none of the runs {', '.join(run_ids)} exists in {ref}")
-        await changes.save(transaction)
+        claims = await tries.committed(transaction)
+        if claims is None:
+            changes = _Changes()
+            claims = await _claim_all(rules, transaction, changes, ref, run_ids, max_lost=max_lost)
+            await changes.save(transaction)
+            tries.about_to_commit(changes.runs, claims)
+    _lagged(claims.values())
+    return claims
+
+
+async def _claim_all(
+    rules: Workspaces,
+    transaction: Transaction,
+    changes: _Changes,
+    ref: WorkspaceRef,
+    run_ids: Sequence[str],
+    *,
+    max_lost: int,
+) -> dict[str, Claimed | Executed]:
+    now = rules.clock()
+    found = await rules.rules_in(transaction)
+    claims: dict[str, Claimed | Executed] = {}
+    orders: dict[tuple[str, str], ScopeOrder] = {}
+    for run_id in run_ids:
+        run = await transaction.run(run_id)
+        if run is None:
+            claims[run_id] = missing(ref, run_id)
+            continue
+        rule = found.get(run.rule)
+        if rule is None:
+            claims[run_id] = _cancel_orphan(changes, run, now)
+            continue
+        order = None
+        if rule.rule.ordering == "scope" and run.status in WAITING:
+            key = (run.rule, run.scope_key)
+            if key not in orders:
+                scope = await transaction.scope_runs(run.rule, run.scope_key)
+                orders[key] = ScopeOrder(scope)
+            order = orders[key]
+        claims[run_id] = await _claim_one(
+            transaction, changes, run, rule.rule, now, order, max_lost=max_lost, fresh=True
+        )
+    if all(isinstance(c, Executed) and c.outcome == "missing" for c in claims.values()):
+        raise NothingThere(f"none of the runs {', '.join(run_ids)} exists in {ref}")
     return claims
 
 
 async def complete(
-    rules: Workspaces, ref: WorkspaceRef, finished: Sequence[Finished], *, max_lost: int
-) -> tuple[dict[str, Executed], list[Claimed]]:
+    rules: Workspaces,
+    ref: WorkspaceRef,
+    finished: Sequence[Finished],
+    *,
+    max_lost: int,
+    tries: Tries[Completion] | None = None,
+) -> Completion:
     """Record each attempt's outcome, and start the successors the scopes may go on with.
 
     An outcome is recorded only if its attempt is still the run's current one. A successor
     starts only if, with its predecessor's outcome recorded, it is due and first in its scope.
+    ``tries`` is shared by the tries of one completion (see the module).
     """
+    tries = Tries() if tries is None else tries
     async with rules.storage.transaction(ref) as transaction:
-        now = rules.clock()
-        changes = _Changes()
-        executed: dict[str, Executed] = {}
-        for done in finished:
-            executed[done.claimed.run.id] = await _complete_one(transaction, changes, done, now)
-        await changes.save(transaction)
-        successors: list[Claimed] = []
-        follow = _Changes()
-        for done in finished:
-            order = done.claimed.order
-            if done.successor is None or order is None:
-                continue
-            outcome = executed[done.claimed.run.id]
-            if outcome.run is not None and outcome.run.status == "succeeded":
-                order.succeeded.add(outcome.run.id)
-            run = await transaction.run(done.successor)
-            if run is None:
-                continue
-            claimed = await _claim_one(
-                transaction, follow, run, done.claimed.rule, now, order, max_lost=max_lost
+        completion = await tries.committed(transaction)
+        if completion is None:
+            now = rules.clock()
+            changes, follow = _Changes(), _Changes()
+            executed: dict[str, Executed] = {}
+            for done in finished:
+                executed[done.claimed.run.id] = await _complete_one(transaction, changes, done, now)
+            await changes.save(transaction)  # the successors' claims read these outcomes
+            started, abandoned = await _successors(
+                transaction, follow, finished, executed, now, max_lost=max_lost
             )
-            if isinstance(claimed, Claimed):
-                successors.append(claimed)
-        await follow.save(transaction)
-    return executed, successors
+            await follow.save(transaction)
+            completion = Completion(executed, started, abandoned)
+            tries.about_to_commit([*changes.runs, *follow.runs], completion)
+    _lagged(completion.started)
+    return completion
+
+
+async def _successors(
+    transaction: Transaction,
+    follow: _Changes,
+    finished: Sequence[Finished],
+    executed: dict[str, Executed],
+    now: datetime,
+    *,
+    max_lost: int,
+) -> tuple[list[Claimed], dict[str, Executed]]:
+    """Start the run each finished one's scope goes on with; say which started, and which
+    were found abandoned."""
+    started: list[Claimed] = []
+    abandoned: dict[str, Executed] = {}
+    for done in finished:
+        order = done.claimed.order
+        if done.successor is None or order is None:
+            continue
+        outcome = executed[done.claimed.run.id]
+        if outcome.run is not None and outcome.run.status == "succeeded":
+            order.succeeded.add(outcome.run.id)
+        run = await transaction.run(done.successor)
+        if run is None:
+            continue
+        # the rule as the claim read it: only a code rule is ordered by scope (reflexr keeps
+        # stored rules unordered and enabled), and a code rule changes only with the process
+        claimed = await _claim_one(
+            transaction, follow, run, done.claimed.rule, now, order, max_lost=max_lost
+        )
+        if isinstance(claimed, Claimed):
+            started.append(claimed)
+        elif claimed.outcome == "abandoned":
+            abandoned[run.id] = claimed
+    return started, abandoned
+
+
+def _lagged(claims: Iterable[Claimed | Executed]) -> None:
+    """Count how late each started attempt began, once its start committed."""
+    for claimed in claims:
+        if isinstance(claimed, Claimed):
+            run = claimed.run  # started at updated_at; starting leaves next_attempt_at
+            metrics.record_dispatch_lag((run.updated_at - run.next_attempt_at).total_seconds())
 
 
 async def fail_for_good(
-    rules: Workspaces, ref: WorkspaceRef, run_id: str, *, reason: str, error: str
+    rules: Workspaces,
+    ref: WorkspaceRef,
+    run_id: str,
+    *,
+    reason: str,
+    error: str,
+    tries: Tries[Executed] | None = None,
 ) -> Executed:
     """Record the run's current attempt as failed for good (see :func:`relayr.executor.fail_run`).
 
     Raises:
         NothingThere: If the run does not exist (the transaction rolls back).
     """
+    tries = Tries() if tries is None else tries
     async with rules.storage.transaction(ref) as transaction:
-        now = rules.clock()
-        run = await transaction.run(run_id)
-        if run is None:
-            raise NothingThere(f"run {run_id} does not exist in {ref}")
-        found = (await rules.rules_in(transaction)).get(run.rule)
-        changes = _Changes()
-        if found is None:
-            executed = _cancel_orphan(changes, run, now)
-        elif run.status in WAITING or run.status == "running":
-            if run.status in WAITING:
-                run, started = start(run, now=now)
-                changes.record(run, started)
-            failed, dead = fail(
-                run, found.rule, now=now, error=error, reason=reason, permanent=True
+        executed = await tries.committed(transaction)
+        if executed is None:
+            changes = _Changes()
+            executed = await _fail_one(
+                rules, transaction, changes, ref, run_id, reason=reason, error=error
             )
-            changes.record(failed, dead)
-            executed = Executed(
-                "dead",
-                failed,
-                f"attempt {failed.attempts} of run {run_id} failed for good: {reason}",
-            )
-        else:
-            executed = Executed("not_due", run, f"run {run_id} is {run.status}: nothing to fail")
-        await changes.save(transaction)
+            await changes.save(transaction)
+            tries.about_to_commit(changes.runs, executed)
     return executed
+
+
+async def _fail_one(
+    rules: Workspaces,
+    transaction: Transaction,
+    changes: _Changes,
+    ref: WorkspaceRef,
+    run_id: str,
+    *,
+    reason: str,
+    error: str,
+) -> Executed:
+    now = rules.clock()
+    run = await transaction.run(run_id)
+    if run is None:
+        raise NothingThere(f"run {run_id} does not exist in {ref}")
+    found = (await rules.rules_in(transaction)).get(run.rule)
+    if found is None:
+        return _cancel_orphan(changes, run, now)
+    if run.status not in WAITING and run.status != "running":
+        return Executed("not_due", run, f"run {run_id} is {run.status}: nothing to fail")
+    if run.status in WAITING:
+        run, started = start(run, now=now)
+        changes.record(run, started)
+    failed, dead = fail(run, found.rule, now=now, error=error, reason=reason, permanent=True)
+    changes.record(failed, dead)
+    return Executed(
+        "dead", failed, f"attempt {failed.attempts} of run {run_id} failed for good: {reason}"
+    )
 
 
 async def _claim_one(
@@ -329,7 +466,6 @@ async def _claim_one(
     events: list[Envelope] = []
     for seq in started.matched:
         events.extend(await transaction.read(after_seq=seq - 1, limit=1))
-    metrics.record_dispatch_lag((now - run.next_attempt_at).total_seconds())
     return Claimed(started, rule, tuple(events), order)
 
 

@@ -8,7 +8,8 @@ the message is only a hint that its runs may be due, so:
 - one transaction claims every leased run (:func:`relayr.attempts.claim`): it re-reads each run
   and its rule and starts an attempt only if the run is due and first in its scope; anything
   else does nothing (``not_due``, ``missing``), and a ``running`` run whose lease lapsed is
-  recorded ``abandoned``;
+  recorded ``abandoned``; the leases of the runs that did not start are released at once, so
+  another delivery, or this message going on with a scope, can take them;
 - the actions run concurrently on this process's loop, each with a ``Reaction`` whose ``deps``
   is the runtime's bridge, while its lease is renewed every third of its life; an attempt that
   stops being the run's current one (an operator cancelled or retried it, the lease was lost)
@@ -17,7 +18,8 @@ the message is only a hint that its runs may be due, so:
   (:func:`relayr.attempts.complete`), each only if its attempt is still current (``dropped``
   otherwise), so a late executor never overwrites a cancel, a retry or a newer attempt. The
   ledger rows the actions left for later (emission records of sends, and of notices an earlier
-  attempt posted) ride in that same transaction (:mod:`relayr.ledger.riding`);
+  attempt posted) ride in that same transaction (:mod:`relayr.ledger.riding`), those of an
+  ``interrupted`` attempt too: its writes committed in artifactr all the same;
 - a run of a rule ordered by scope that ends lets the next run of its scope start in that same
   transaction, under a lease taken just before, so a scope goes on without a trip through the
   broker, within :data:`SCOPE_BUDGET_RUNS` runs and :data:`SCOPE_BUDGET_S` seconds per message
@@ -27,7 +29,9 @@ A duplicated, lost or redelivered message therefore repeats and loses nothing: a
 delivery finds the leases held or the runs finished. The writes a retried attempt repeats are
 made once by their derived ids (:mod:`relayr.actions`). The lease of a run that succeeded is
 left to lapse: it can never start again (ADR-0002). Transient storage faults are retried a few
-times inside each step (:mod:`relayr.transient`); each step is safe to repeat.
+times inside each step (:mod:`relayr.transient`); each step is safe to repeat, and a claim or a
+completion whose commit took effect behind a fault finds its own work on the next try
+(:class:`relayr.attempts.Tries`).
 """
 
 import asyncio
@@ -48,11 +52,13 @@ from relayr import attempts, metrics, telemetry
 from relayr.actions import pending_writes
 from relayr.attempts import (
     Claimed,
+    Completion,
     Ended,
     Executed,
     Finished,
     NothingThere,
     RunOutcome,
+    Tries,
 )
 from relayr.core import reasons
 from relayr.ledger.port import LedgerWrites
@@ -127,9 +133,12 @@ async def fail_run(
     """
     rules = runtime.application.rules
     ref = WorkspaceRef(tenant_id, workspace_id)
+    tries: Tries[Executed] = Tries()
     try:
         executed = await retried(
-            lambda: attempts.fail_for_good(rules, ref, run_id, reason=reason, error=error)
+            lambda: attempts.fail_for_good(
+                rules, ref, run_id, reason=reason, error=error, tries=tries
+            )
         )
     except NothingThere:
         executed = attempts.missing(ref, run_id)
@@ -223,15 +232,21 @@ class _Batch:
         self.here.add(here)
         key, holder = run_lease(run_id), self.runtime.holder
         if not await retried(lambda: self.storage.acquire_lease(self.ref, key, holder, self.ttl)):
+            self.here.discard(here)
+            self.runtime.executing.discard(here)
             return f"run {run_id} is held by another executor"
         self.held.add(run_id)
         return None
 
     async def _claim(self, run_ids: list[str]) -> list[Claimed]:
+        """Claim the leased runs; release at once the leases of those that did not start."""
+        tries: Tries[dict[str, Claimed | Executed]] = Tries()
         try:
             with telemetry.span("relayr.claim", {telemetry.RUNS: len(run_ids)}):
                 claims = await retried(
-                    lambda: attempts.claim(self.rules, self.ref, run_ids, max_lost=self.max_lost)
+                    lambda: attempts.claim(
+                        self.rules, self.ref, run_ids, max_lost=self.max_lost, tries=tries
+                    )
                 )
         except NothingThere:
             claims = {run_id: attempts.missing(self.ref, run_id) for run_id in run_ids}
@@ -241,6 +256,9 @@ class _Batch:
                 started.append(claim)
             else:
                 self._ended(run_id, claim)
+        await self._release(
+            run_id for run_id, claim in claims.items() if isinstance(claim, Executed)
+        )
         return started
 
     def _start(self, claimed: Claimed, running: dict[asyncio.Task[Ended], _Running]) -> None:
@@ -340,6 +358,8 @@ class _Batch:
                 entry = running.pop(task)
                 run = entry.claimed.run
                 ended = task.result()
+                if entry.reaction is not None and (left := pending_writes(entry.reaction)):
+                    writes.append(left)  # written in artifactr, whatever became of the attempt
                 if ended.kind == "interrupted":
                     self._ended(
                         run.id,
@@ -356,32 +376,58 @@ class _Batch:
                 successor = await self._successor(entry.claimed)
                 finished.append(Finished(entry.claimed, ended, successor))
                 began[run.id] = entry.began
-                if entry.reaction is not None and (left := pending_writes(entry.reaction)):
-                    writes.append(left)
+            merged = LedgerWrites.merged(writes)
             if not finished:
+                if merged:
+                    await self._write_left(merged)
                 continue
-            executed, successors = await self._complete(finished, LedgerWrites.merged(writes))
-            for run_id, outcome in executed.items():
+            completion = await self._complete(finished, merged)
+            for run_id, outcome in completion.executed.items():
                 self._ended(run_id, outcome, seconds=perf_counter() - began[run_id])
-            claimed_next = {claimed.run.id for claimed in successors}
+            for run_id, outcome in completion.abandoned.items():
+                self._ended(run_id, outcome)
+            claimed_next = {claimed.run.id for claimed in completion.started}
             unclaimed = {d.successor for d in finished if d.successor not in (None, *claimed_next)}
             await self._release({run_id for run_id in unclaimed if run_id is not None})
-            for claimed in successors:
+            for claimed in completion.started:
                 self._start(claimed, running)
 
-    async def _complete(
-        self, finished: list[Finished], writes: LedgerWrites
-    ) -> tuple[dict[str, Executed], list[Claimed]]:
-        ledger = self.runtime.bridge.ledger
+    async def _complete(self, finished: list[Finished], writes: LedgerWrites) -> Completion:
+        """Record the group's outcomes with the ledger rows its actions left.
 
-        async def step() -> tuple[dict[str, Executed], list[Claimed]]:
+        If that fails for good, the rows are written once more on their own: the writes they
+        describe are in artifactr whatever becomes of the completion.
+        """
+        ledger = self.runtime.bridge.ledger
+        tries: Tries[Completion] = Tries()
+
+        async def step() -> Completion:
             async with ledger.alongside(writes):
                 return await attempts.complete(
-                    self.rules, self.ref, finished, max_lost=self.max_lost
+                    self.rules, self.ref, finished, max_lost=self.max_lost, tries=tries
                 )
 
-        with telemetry.span("relayr.complete", {telemetry.RUNS: len(finished)}):
-            return await retried(step)
+        try:
+            with telemetry.span("relayr.complete", {telemetry.RUNS: len(finished)}):
+                return await retried(step)
+        finally:
+            if writes and not writes.committed:
+                await self._write_left(writes, once=True)
+
+    async def _write_left(self, writes: LedgerWrites, *, once: bool = False) -> None:
+        """Write ledger rows that no completion carries, in a transaction of their own (tried
+        ``once`` after a completion that failed for good); a failure is logged, as the rows
+        cannot be written anywhere else."""
+        ledger = self.runtime.bridge.ledger
+        try:
+            await (ledger.write(writes) if once else retried(lambda: ledger.write(writes)))
+        except Exception:
+            logger.exception(
+                "ledger rows of writes made in artifactr could not be written",
+                workspace=f"{self.ref.tenant_id}/{self.ref.workspace_id}",
+                causes=[c.key for c in writes.causes],
+                emissions=[e.message_id for e in writes.emissions],
+            )
 
     async def _successor(self, claimed: Claimed) -> str | None:
         """The run its scope may go on with after ``claimed``, leased; None if there is none,
