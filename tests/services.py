@@ -1,23 +1,51 @@
-"""Real services for tests: PostgreSQL and Redis on this machine.
+"""Real services for tests: PostgreSQL and Redis on this machine, and free ports.
 
 A test that needs a service skips when it is down and the tests run by hand, but fails when
 ``CI=true``: CI must never pass by testing nothing.
+
+Tests share the machine's Redis, each on a queue of its own (:mod:`tests.workers`), and leave it
+as they found it: :func:`forgetting_redis_queue` removes every key kombu and relayr made for a
+test's queue, however the test ended.
 """
 
 import asyncio
+import json
 import os
 import socket
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 import asyncpg
 import pytest
+import redis
+from kombu.transport import redis as kombu_redis
+
+from relayr.broker.redis import DEAD_LETTER_SUFFIX
 
 PG_HOST, PG_PORT = "127.0.0.1", 5432
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 ADMIN_DSN = f"postgresql://postgres@{PG_HOST}:{PG_PORT}/test"
+REDIS_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/0"
+
+KOMBU: Any = kombu_redis.Channel
+"""kombu's Redis channel, whose class attributes name the keys it keeps (its transport options
+``unacked_key`` and ``unacked_index_key``, the binding tables' prefixes, the separator of a
+queue's priority lists): read from it, so the names follow kombu's."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listened on a moment ago.
+
+    The port is released before it is returned, so another process may take it before the
+    caller's server binds it: a server started on it must check that it bound it (that what
+    answers there is the process it started, as :mod:`tests.faults.private_redis` does).
+    """
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def reachable(host: str, port: int) -> bool:
@@ -60,3 +88,64 @@ def fresh_postgres_database() -> Iterator[str]:
         yield f"postgresql+asyncpg://postgres@{PG_HOST}:{PG_PORT}/{name}"
     finally:
         _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def forget_redis_queue(queue: str, url: str = REDIS_URL) -> int:
+    """Remove what kombu and relayr keep in Redis for ``queue``; return how many keys and
+    entries went.
+
+    That is: the queue's lists (its own and one per priority), their dead letters
+    (:func:`relayr.broker.redis.dead_letter_list`), its bindings in the exchanges' binding
+    tables (which outlive every message: a Celery worker declares them at start), and the
+    unacknowledged deliveries of its messages (kombu's ``unacked`` hash and ``unacked_index``
+    sorted set are one per database, shared by every queue). Call it once no process consumes
+    the queue any more: a worker still running would declare it again.
+    """
+    client: redis.Redis = redis.Redis.from_url(url, socket_connect_timeout=5)
+    removed = 0
+    try:
+        own = f"{queue}{KOMBU.sep}"
+        pattern = "".join(f"\\{c}" if c in "*?[]\\" else c for c in queue) + "*"
+        for key in client.scan_iter(match=pattern):
+            name = key.decode(errors="replace").removesuffix(DEAD_LETTER_SUFFIX)
+            if name == queue or name.startswith(own):
+                removed += client.delete(key)
+        tables = KOMBU.keyprefix_queue % "*", KOMBU.keyprefix_binding_permanent % "*"
+        for table in (key for match in tables for key in client.scan_iter(match=match)):
+            if client.type(table) != b"set":
+                continue
+            bound = [
+                member
+                for member in client.smembers(table)
+                if member.decode(errors="replace").split(KOMBU.sep)[-1] == queue
+            ]
+            if bound:
+                removed += client.srem(table, *bound)
+        removed += client.zrem(KOMBU.keyprefix_binding_deadlines, queue)
+        for tag, entry in client.hscan_iter(KOMBU.unacked_key):
+            if queue in _unacked_destination(entry):
+                removed += client.hdel(KOMBU.unacked_key, tag)
+                client.zrem(KOMBU.unacked_index_key, tag)
+    finally:
+        client.close()
+    return removed
+
+
+def _unacked_destination(entry: bytes) -> tuple[str, ...]:
+    """The exchange and routing key an unacknowledged delivery goes back to (kombu keeps it
+    as ``[message, exchange, routing_key]``); nothing for an entry that is not that."""
+    try:
+        _, exchange, routing_key = json.loads(entry)
+    except (ValueError, TypeError):
+        return ()
+    return (str(exchange), str(routing_key))
+
+
+@contextmanager
+def forgetting_redis_queue(*queues: str, url: str = REDIS_URL) -> Iterator[None]:
+    """The block, then :func:`forget_redis_queue` for each of ``queues``, however it ended."""
+    try:
+        yield
+    finally:
+        for queue in queues:
+            forget_redis_queue(queue, url)

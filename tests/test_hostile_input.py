@@ -23,7 +23,6 @@ import sqlite3
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,14 @@ from tasks.runs import (
     RunIds,
     parse_ids,
 )
-from tests.workers import ALLOWLIST, RelayrProcess, relayr_environment, running_worker
+from tests.services import forgetting_redis_queue
+from tests.workers import (
+    ALLOWLIST,
+    RelayrProcess,
+    log_records,
+    relayr_environment,
+    running_worker,
+)
 
 # ─── parse_ids under hypothesis ───────────────────────────────────────────────
 
@@ -294,6 +300,10 @@ def bad_messages(known: Known) -> list[Bad]:
             task=TASK_NAME),
         Bad("batch with a nul", (t, w, [done + "\x00"]), refused="run_ids[0] contains a NUL",
             task=TASK_NAME),
+        Bad("batch with a blank id", (t, w, [done, " "]), refused="run_ids[1] is empty",
+            task=TASK_NAME),
+        Bad("batch naming no workspace", (t, None, [done]),
+            refused="workspace_id must be a string, not NoneType", task=TASK_NAME),
         Bad("batch too long", (t, w, [done] * 21), refused="run_ids names more than 20 runs",
             task=TASK_NAME),
     ]  # fmt: skip
@@ -318,12 +328,6 @@ def table_rows(path: Path) -> dict[str, list[tuple[Any, ...]]]:
         }
 
 
-def json_lines(worker: RelayrProcess) -> Iterator[dict[str, Any]]:
-    for line in worker.log().splitlines():
-        if line.startswith("{"):
-            yield json.loads(line)
-
-
 def lines_mentioning(worker: RelayrProcess, task_id: str) -> list[str]:
     return [line for line in worker.log().splitlines() if task_id in line]
 
@@ -331,7 +335,7 @@ def lines_mentioning(worker: RelayrProcess, task_id: str) -> list[str]:
 def final_lines(worker: RelayrProcess, task_id: str) -> list[dict[str, Any]]:
     return [
         line
-        for line in json_lines(worker)
+        for line in log_records(worker.log())
         if line.get("task_id") == task_id and line.get("event") in FINAL_LINES
     ]
 
@@ -401,7 +405,10 @@ def test_bad_messages_on_a_real_worker_write_nothing_and_are_logged_once(
     app = create_celery(settings_)
     client: redis.Redis[bytes] = redis.Redis.from_url(redis_url)
     started = time.monotonic()
-    with running_worker(environment, settings_.home, concurrency=2) as worker:
+    with (
+        forgetting_redis_queue(settings_.queue, url=redis_url),
+        running_worker(environment, settings_.home, concurrency=2) as worker,
+    ):
         first = asyncio.run(
             run_scenario(settings_, Plan(deploys=2, incidents=1), timeout_s=SCENARIO_TIMEOUT_S)
         ).summary
@@ -430,8 +437,7 @@ def test_bad_messages_on_a_real_worker_write_nothing_and_are_logged_once(
         wait_until_logged(worker, sent)
         after = table_rows(database_file(settings_))
         assert worker.alive(), worker.log()
-        left = queued_task_ids(client, settings_.queue) & set(sent)
-        assert [sent[task_id].name for task_id in left] == []
+        wait_until_gone(client, settings_.queue, sent)
         check_lines(worker, sent)
 
         changed = sorted(
@@ -492,6 +498,17 @@ def wait_until_logged(worker: RelayrProcess, sent: dict[str, Bad]) -> None:
         time.sleep(0.2)
 
 
+def wait_until_gone(client: "redis.Redis[bytes]", queue: str, sent: dict[str, Bad]) -> None:
+    """Until no message of ``sent`` is queued or unacknowledged. A worker logs its last line
+    of a message before it acknowledges (or rejects) it, so one may still be unacknowledged
+    just after its line; one put back in the queue would stay (and be logged twice)."""
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    while left := queued_task_ids(client, queue) & set(sent):
+        if time.monotonic() > deadline:
+            assert [sent[task_id].name for task_id in left] == [], "still queued"
+        time.sleep(0.2)
+
+
 def check_lines(worker: RelayrProcess, sent: dict[str, Bad]) -> None:
     """One last line per message, the expected one; no line twice (no redelivery)."""
     problems: list[str] = []
@@ -509,7 +526,9 @@ def check_lines(worker: RelayrProcess, sent: dict[str, Bad]) -> None:
             continue
         [line] = final
         if bad.refused is not None:
-            if line["event"] != "task refused" or bad.refused not in line["reason"]:
+            if (line["event"], line.get("code")) != ("task refused", "invalid_task") or (
+                bad.refused not in line["reason"]
+            ):
                 problems.append(f"{bad.name}: expected refusal {bad.refused!r}, got {line}")
             if len(mentioning) != 1:
                 problems.append(f"{bad.name}: {len(mentioning)} lines, expected the refusal only")

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import structlog
-from celery.exceptions import Reject, SoftTimeLimitExceeded
+from celery.exceptions import SoftTimeLimitExceeded
 from structlog.testing import capture_logs
 
-from relayr.batch import MAX_BATCH_RUNS
+from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.core.errors import InvalidTask
 from relayr.executor import Executed
 from relayr.logging import configure_logging
@@ -30,6 +30,7 @@ from tasks.runs import (
     TASK_NAME,
     RunIds,
     log_outcome,
+    parse_batch,
     parse_ids,
 )
 from tasks.worker import EventLoopThread
@@ -77,45 +78,39 @@ def test_anything_but_three_ids_is_refused(
 
 
 @pytest.mark.parametrize(
-    ("name", "args", "problem"),
+    ("args", "kwargs", "problem"),
     [
+        (("acme", None, ["fir_1"]), {}, "workspace_id must be a string, not NoneType"),
+        (("acme", "ops", "fir_1"), {}, "run_ids must be a list of ids, not str"),
+        (("acme", "ops", []), {}, "run_ids names no run"),
+        (("acme", "ops", ["fir_1", 2]), {}, "run_ids[1] must be a string, not int"),
+        (("acme", "ops", ["fir_1", " "]), {}, "run_ids[1] is empty"),
         (
-            "relayr.execute_run",
-            ("acme", None, "fir_1"),
-            "workspace_id must be a string, not NoneType",
-        ),
-        (
-            "relayr.execute_runs",
-            ("acme", None, ["fir_1"]),
-            "workspace_id must be a string, not NoneType",
-        ),
-        ("relayr.execute_runs", ("acme", "ops", "fir_1"), "run_ids must be a list of ids, not str"),
-        ("relayr.execute_runs", ("acme", "ops", []), "run_ids names no run"),
-        (
-            "relayr.execute_runs",
-            ("acme", "ops", ["fir_1", 2]),
-            "run_ids[1] must be a string, not int",
-        ),
-        ("relayr.execute_runs", ("acme", "ops", ["fir_1", " "]), "run_ids[1] is empty"),
-        (
-            "relayr.execute_runs",
             ("acme", "ops", ["fir_1"] * (MAX_BATCH_RUNS + 1)),
+            {},
             f"run_ids names more than {MAX_BATCH_RUNS} runs",
         ),
+        (("acme", "ops"), {}, "task argument run_ids is missing"),
+        (("acme", "ops", ["fir_1"]), {"run_ids": ["fir_2"]}, "run_ids is given twice"),
     ],
 )
-def test_a_malformed_task_is_rejected_with_one_line_and_no_requeue(
-    settings: Settings, name: str, args: tuple[Any, ...], problem: str
+def test_anything_but_a_batch_of_ids_is_refused(
+    args: tuple[Any, ...], kwargs: dict[str, Any], problem: str
 ) -> None:
-    app = create_celery(settings)
-    task = app.tasks[name]
-    with capture_logs() as logs, pytest.raises(Reject) as rejected:
-        task(*args)
-    assert rejected.value.requeue is False
-    assert [(line["event"], line["code"], line["log_level"]) for line in logs] == [
-        ("task refused", "invalid_task", "error")
-    ]
-    assert logs[0]["reason"] == f"task argument {problem}"
+    """The run task's arguments, read as the task reads them. What a worker does with a
+    refused message (one line, not requeued) is checked on a real worker in
+    test_hostile_input.py."""
+    with pytest.raises(InvalidTask) as refused:
+        parse_batch(args, kwargs)
+    assert problem in refused.value.message
+    assert refused.value.code == "invalid_task"
+
+
+def test_a_batch_by_position_or_by_name() -> None:
+    expected = RunBatch(tenant_id="acme", workspace_id="ops", run_ids=("fir_1", "fir_2"))
+    assert parse_batch(("acme", "ops", ["fir_1", "fir_2"]), {}) == expected
+    by_name = {"tenant_id": "acme", "workspace_id": "ops", "run_ids": ["fir_1", "fir_2"]}
+    assert parse_batch((), by_name) == expected
 
 
 # ─── outcomes ─────────────────────────────────────────────────────────────────

@@ -7,29 +7,47 @@ command line and the benchmarks use too. This module adds what tests share: each
 on one Redis never take each other's messages), logging to a file the test can read. The
 context manager stops it with SIGTERM (a warm shutdown), and kills its whole process group if
 it is still there after the timeout, even when the test failed.
+
+The same holds for ``relayr dispatch`` (:func:`running_dispatcher`). What the tests read of
+these processes is shared too: their JSON log lines (:func:`log_records`), and a bounded wait
+for a condition that fails at once, with the logs, if a process it needs died
+(:func:`until`).
 """
 
+import json
+import time
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any, Final
 
 from relayr.cli import processes
-from relayr.cli.processes import READY_TIMEOUT_S, STOP_TIMEOUT_S, RelayrProcess
+from relayr.cli.processes import READY_TIMEOUT_S, STOP_TIMEOUT_S, RelayrProcess, relayr_command
 
 REPO = Path(__file__).resolve().parent.parent
 ALLOWLIST = REPO / "rules" / "allowlist.toml"
 
 __all__ = [
     "ALLOWLIST",
+    "DISPATCHER_READY",
     "READY_TIMEOUT_S",
     "REPO",
     "STOP_TIMEOUT_S",
     "RelayrProcess",
+    "log_records",
     "relayr_environment",
+    "running_dispatcher",
     "running_worker",
     "start_worker",
+    "until",
 ]
+
+DISPATCHER_READY: Final = '"runtime started"'
+"""What a dispatcher's JSON log says once it runs (relayr.runtime)."""
+
+POLL_S: Final = 0.2
+"""How often :func:`until` looks again: a probe reads a store or a log, cheap at this rate."""
 
 
 def relayr_environment(home: Path, **settings: object) -> dict[str, str]:
@@ -62,3 +80,58 @@ def running_worker(
     """A worker for the duration of the block; stopped (or killed) however the block ends."""
     with processes.running_worker(environment, log_dir, concurrency=concurrency, cwd=REPO) as w:
         yield w
+
+
+@contextmanager
+def running_dispatcher(
+    environment: Mapping[str, str], log_dir: Path, *args: str, name: str = "dispatcher"
+) -> Iterator[RelayrProcess]:
+    """``relayr dispatch ARGS`` for the block, once its log says it runs; stopped (or killed)
+    however the block ends. It logs to ``<log_dir>/<name>.log``."""
+    process = RelayrProcess.start(
+        relayr_command("dispatch", *args),
+        name=name,
+        environment=environment,
+        cwd=REPO,
+        log_path=log_dir / f"{name}.log",
+    )
+    try:
+        yield process.ready(DISPATCHER_READY)
+    finally:
+        process.stop()
+
+
+def log_records(text: str) -> Iterator[dict[str, Any]]:
+    """The JSON lines of a log (``RELAYR_LOG_FORMAT=json``), in order.
+
+    Other lines (Celery's banner, a traceback) are skipped, and so is a last line still being
+    written when the log was read.
+    """
+    for line in text.splitlines():
+        if line.startswith("{"):
+            with suppress(ValueError):
+                yield json.loads(line)
+
+
+def until[T](
+    what: str,
+    probe: Callable[[], T | None],
+    *processes: RelayrProcess,
+    timeout_s: float,
+    poll_s: float = POLL_S,
+) -> T:
+    """Poll ``probe`` until it returns something other than None; return that.
+
+    Fails at once, with its log, if one of ``processes`` died meanwhile, and with their logs'
+    ends after ``timeout_s``: a bound that passes fails the test, it never makes anything
+    happen.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (found := probe()) is None:
+        for process in processes:
+            assert process.alive(), f"{process.name} died waiting for {what}:\n{process.log()}"
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"== {p.name}\n{p.log()[-6000:]}" for p in processes)
+            raise AssertionError(f"timed out waiting for {what} ({timeout_s} s)\n{logs}")
+        time.sleep(poll_s)
+    return found
