@@ -31,6 +31,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from relayr import metrics
 from relayr.actions import acting
 from relayr.application import Application, open_storage
 from relayr.bridge import Bridge
@@ -125,7 +126,7 @@ async def notify(reaction: Reaction[Bridge]) -> None:
         await asyncio.wait_for(gates.release.wait(), WAIT_S)
 
 
-ACTIONS = {"work": work, "notify": notify}
+ACTIONS: dict[str, Any] = {"work": work, "notify": notify}
 
 
 @dataclass
@@ -170,17 +171,20 @@ class LostAfterCommit:
 
 @dataclass
 class FailingStatements:
-    """Fails every statement that matches, after the first ``skip``, as the database driver
-    would: a step that keeps failing, past its tries."""
+    """Fails the statements that match, after the first ``skip``, as the database driver
+    would: ``times`` of them (a step tried again), or every one (a step that keeps failing)."""
 
     pattern: re.Pattern[str]
     skip: int = 0
+    times: int | None = None
     fired: int = 0
 
     def before(self, connection: Any, cursor: Any, statement: str, *_: Any) -> None:
         if self.pattern.search(statement):
             if self.skip:
                 self.skip -= 1
+                return
+            if self.times is not None and self.fired >= self.times:
                 return
             self.fired += 1
             raise connection.dialect.loaded_dbapi.OperationalError("database is locked (injected)")
@@ -202,7 +206,7 @@ class Harness:
         self.runtime = runtime
         self.engine = engine
         self.rules = runtime.application.rules
-        self.reactor = Reactor(self.rules)  # it evaluates; the executor under test acts
+        self.reactor = Reactor(self.rules, actions=ACTIONS)  # it only evaluates here
         gates = runtime.application.app_deps
         assert isinstance(gates, Gates)
         self.gates = gates
@@ -354,6 +358,24 @@ async def test_fail_run_whose_commit_took_effect_behind_a_fault_says_dead(
     assert await harness.facts(run_id) == ["run_started", "run_dead_lettered"]
 
 
+@SQL
+async def test_a_claim_tried_again_counts_its_dispatch_lag_once(harness: Harness) -> None:
+    """The first try rolled back: only the start that committed is counted."""
+    run_id = await harness.fire(Once())
+    lags = _sample("relayr_dispatch_lag_seconds_count")
+    facts_appended = re.compile(r"INSERT INTO reflexr_events")
+
+    with FailingStatements(facts_appended, times=1).attached(harness.storage_engine()) as fault:
+        [executed] = await execute_runs(harness.runtime, TENANT, WORKSPACE, [run_id])
+
+    assert (fault.fired, executed.outcome) == (1, "succeeded")
+    assert _sample("relayr_dispatch_lag_seconds_count") == lags + 1
+
+
+def _sample(name: str, **labels: str) -> float:
+    return metrics.registry().get_sample_value(name, labels) or 0.0
+
+
 # ─── what a message releases at once ─────────────────────────────────────────
 
 
@@ -435,6 +457,8 @@ async def test_the_next_run_of_a_scope_found_abandoned_is_reported(harness: Harn
         assert waiting is not None
         await transaction.save_runs([start(waiting, now=harness.rules.clock())[0]])
 
+    abandoned = _sample("relayr_runs_executed_total", rule="retries:ordered", outcome="abandoned")
+
     harness.gates.release.set()
     executed = await asyncio.wait_for(message, WAIT_S)
 
@@ -442,6 +466,9 @@ async def test_the_next_run_of_a_scope_found_abandoned_is_reported(harness: Harn
         ("succeeded", first),
         ("abandoned", second),
     ]
+    assert _sample("relayr_runs_executed_total", rule="retries:ordered", outcome="abandoned") == (
+        abandoned + 1
+    )
     stored = await harness.run(second)
     assert (stored.status, stored.reason) == ("retrying", "abandoned")
     assert harness.runtime.executing == set()
