@@ -9,24 +9,28 @@ tests/test_broker_fuzz.py; under a real worker: tests/test_broker_worker.py.
 """
 
 import contextlib
+import errno
 import json
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 import redis
-from kombu import Connection, Consumer, Producer, Queue
+from kombu import Connection, Consumer, Exchange, Producer, Queue
 from structlog.testing import capture_logs
 
 from relayr.broker import FILESYSTEM_TRANSPORT, layout, queue_depth
-from relayr.broker.consumers import own_consumer_ids
+from relayr.broker.consumers import Holder, own_consumer_ids, recover_dead_consumers
 from relayr.broker.dead_letters import SET_ASIDE
 from relayr.broker.filesystem import RECOVER_EVERY_S
 from relayr.broker.redis import dead_letter_list
@@ -222,7 +226,8 @@ def test_a_sigkilled_consumer_s_messages_go_back_even_with_a_forked_child_alive(
             deadline = time.monotonic() + RECOVER_EVERY_S + 30
             while len(got) < 3:
                 assert time.monotonic() < deadline, got
-                conn.drain_events(timeout=1)
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
     finally:
         holder.kill()
         holder.wait()
@@ -233,6 +238,195 @@ def test_a_sigkilled_consumer_s_messages_go_back_even_with_a_forked_child_alive(
     # only this process's consumer is left: the dead one's lock file and folder are gone
     left = {name.removesuffix(layout.LOCK_SUFFIX) for name in os.listdir(folder / layout.CONSUMERS)}
     assert left <= own_consumer_ids()
+
+
+def test_a_dead_consumer_is_found_while_the_queue_is_never_empty(
+    conn: Connection, folder: Path
+) -> None:
+    """The look for dead consumers runs every RECOVER_EVERY_S on every drain, not only when the
+    queue is empty: a busy consumer gives a dead one's messages back within the bound."""
+    publish(conn, "held by the dead")
+    dead = Holder(folder)
+    queue_folder = layout.queue_folder_name(QUEUE)
+    (name,) = waiting(folder)
+    os.rename(layout.queue_path(folder, QUEUE) / name, dead.held_folder(queue_folder) / name)
+    got: list[str] = []
+    with Consumer(
+        conn,
+        [Queue(QUEUE, routing_key=QUEUE)],
+        callbacks=[lambda body, message: (got.append(body), message.ack())],
+        accept=["json"],
+    ):
+        # consuming made this consumer, which looked for dead ones: the other was alive then
+        started = time.monotonic()
+        dead.close()  # it dies now
+        # one message waits before every drain: the queue is never found empty
+        while time.monotonic() < started + RECOVER_EVERY_S + 0.5 and "held by the dead" not in got:
+            publish(conn, "busy")
+            conn.drain_events(timeout=5)
+        for _ in range(2):  # the dead one's message, first in the queue, then the busy one left
+            publish(conn, "busy")
+            conn.drain_events(timeout=5)
+    assert "held by the dead" in got
+    assert held(folder) == []
+
+
+def test_a_dead_consumer_s_lock_needs_no_write_access(tmp_path: Path) -> None:
+    """Recovery opens another consumer's lock file read-only: ``flock`` needs no more. The
+    lock file here is read-only to everyone; as root (which permissions do not stop), the
+    recovery runs in a child process as another user."""
+    base = Path(tempfile.mkdtemp(prefix="relayr-lock-"))
+    try:
+        base.chmod(0o777)
+        folder = base / "broker"
+        with connect(folder) as conn:
+            Queue(QUEUE, routing_key=QUEUE)(conn.default_channel).declare()
+            publish(conn, "held by the dead")
+        dead = Holder(folder)
+        queue_folder = layout.queue_folder_name(QUEUE)
+        (name,) = waiting(folder)
+        os.rename(layout.queue_path(folder, QUEUE) / name, dead.held_folder(queue_folder) / name)
+        dead.close()
+        for path in [folder, *folder.rglob("*")]:
+            path.chmod(0o777 if path.is_dir() else 0o666)
+        (folder / layout.CONSUMERS / f"{dead.id}{layout.LOCK_SUFFIX}").chmod(0o444)
+        assert recovered_as_another_user(folder) == 1
+        assert len(waiting(folder)) == 1
+        assert held(folder) == []
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+NOBODY: Final = 65534
+
+
+def recovered_as_another_user(folder: Path) -> int:
+    """:func:`recover_dead_consumers` as a user the files' permissions apply to: this one, or
+    user 65534 in a forked child when this one is root."""
+    if os.geteuid() != 0:
+        return recover_dead_consumers(folder)
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover  # the child reports through the pipe
+        code = 1
+        try:
+            os.close(reader)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.write(writer, str(recover_dead_consumers(folder)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writer)
+    with os.fdopen(reader) as answer:
+        moved = answer.read()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return int(moved)
+
+
+# ─── what cannot be read, or moved ────────────────────────────────────────────
+
+
+@contextlib.contextmanager
+def no_descriptor_left() -> Iterator[None]:
+    """Every file descriptor this process may open is in use: the next ``open`` fails with
+    EMFILE (the limit lowered to what is open, the gaps below it filled)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1
+    fillers: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        while True:
+            try:
+                fillers.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as error:
+                if error.errno != errno.EMFILE:
+                    raise
+                break
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_message_that_cannot_be_read_for_want_of_a_descriptor_goes_back_whole(
+    conn: Connection, folder: Path
+) -> None:
+    """EMFILE is the process's trouble, not the message's: the message goes back to its queue
+    and the error is raised (a connection error of the transport: Celery reconnects)."""
+    publish(conn, "first", "second")
+    assert take(conn).payload == "first"  # the listing is done: "second" is a candidate
+    with no_descriptor_left(), pytest.raises(OSError, match="Too many open files") as raised:
+        take(conn)
+    assert raised.value.errno == errno.EMFILE
+    assert set_aside(folder) == []
+    assert len(waiting(folder)) == 1
+    assert take(conn).payload == "second"
+    assert isinstance(raised.value, conn.connection_errors)
+
+
+def test_a_file_that_is_not_a_regular_file_is_set_aside_without_blocking(
+    conn: Connection, folder: Path
+) -> None:
+    """A FIFO would block a reader until someone writes to it; a folder cannot be read."""
+    queue_folder = layout.queue_path(folder, QUEUE)
+    os.mkfifo(queue_folder / f"{1:020d}-fifo.msg")
+    (queue_folder / f"{2:020d}-folder.msg").mkdir()
+    publish(conn, "after them")
+    with capture_logs() as logs:
+        assert take(conn).payload == "after them"
+    problems = [line["problem"] for line in logs if line["event"] == SET_ASIDE]
+    assert problems == ["not a regular file", "not a regular file"]
+    assert sorted(os.listdir(layout.dead_path(folder, QUEUE))) == [
+        f"{1:020d}-fifo.msg",
+        f"{2:020d}-folder.msg",
+    ]
+
+
+def test_a_message_that_cannot_be_set_aside_is_kept_not_deleted(
+    conn: Connection, folder: Path
+) -> None:
+    """Its dead letters' folder cannot be made (a file is where it should be): the message
+    stays with its consumer, and is back in its queue once that consumer is gone."""
+    layout.dead_path(folder, QUEUE).parent.mkdir(parents=True, exist_ok=True)
+    layout.dead_path(folder, QUEUE).write_bytes(b"in the way")
+    publish(conn, "unwanted", "next")
+    message = take(conn)
+    with capture_logs() as logs:
+        message.reject(requeue=False)
+    (line,) = [line for line in logs if line["event"] == SET_ASIDE]
+    assert "stays with its consumer" in line["problem"]
+    (kept,) = held(folder)
+    assert line["path"] == str(kept)
+    assert take(conn).payload == "next"
+    conn.default_channel.close()
+    assert held(folder) == []
+    with connect(folder) as again:
+        back = take(again)
+        assert (back.payload, back.delivery_info["redelivered"]) == ("unwanted", True)
+
+
+def test_an_os_error_in_the_consumer_s_callback_is_raised_not_set_aside(
+    conn: Connection, folder: Path
+) -> None:
+    """An OSError in Celery's handling (a pool's pipe, say) is the connection's trouble, not
+    the message's: it propagates, and the message is kept for the next consumer."""
+    publish(conn, "fine")
+
+    def on_message(body: str, message: Any) -> None:
+        raise BrokenPipeError("the pool's pipe is closed")
+
+    with (
+        Consumer(conn, [Queue(QUEUE, routing_key=QUEUE)], callbacks=[on_message], accept=["json"]),
+        pytest.raises(BrokenPipeError),
+    ):
+        conn.drain_events(timeout=5)
+    assert set_aside(folder) == []
+    conn.default_channel.close()
+    with connect(folder) as again:
+        assert take(again).payload == "fine"
 
 
 # ─── what is not a kombu message ──────────────────────────────────────────────
@@ -334,3 +528,47 @@ def test_a_redis_entry_that_is_not_a_kombu_message_is_set_aside_and_the_consumer
     ]
     assert queue_depth(settings) == 0
     client.close()
+
+
+@pytest.mark.redis
+def test_a_redis_message_rejected_goes_to_its_queue_s_dead_letters_whatever_its_routing_key(
+    redis_url: str, redis_queue: str
+) -> None:
+    """Bound by a routing key that is not its name, the queue still names the dead letters a
+    rejected message goes to, as it does for a message its callback raised on."""
+    exchange = Exchange(f"{redis_queue}.exchange", type="direct")
+    routing_key = f"{redis_queue}.key"
+    client = redis.Redis.from_url(redis_url)
+    try:
+        with Connection(redis_url, transport="relayr.broker.redis:Transport") as conn:
+            queue = Queue(redis_queue, exchange=exchange, routing_key=routing_key)
+            queue(conn.default_channel).declare()
+            Producer(conn.default_channel, serializer="json").publish(
+                "unwanted", exchange=exchange, routing_key=routing_key
+            )
+            Producer(conn.default_channel, serializer="json").publish(
+                "poison", exchange=exchange, routing_key=routing_key
+            )
+
+            def on_message(body: str, message: Any) -> None:
+                if body == "poison":
+                    raise TypeError("unhashable type: 'list'")
+                message.reject(requeue=False)
+
+            with (
+                capture_logs() as logs,
+                Consumer(conn, [queue], callbacks=[on_message], accept=["json"]),
+            ):
+                deadline = time.monotonic() + 30
+                while len([line for line in logs if line["event"] == SET_ASIDE]) < 2:
+                    assert time.monotonic() < deadline, logs
+                    with contextlib.suppress(TimeoutError):
+                        conn.drain_events(timeout=1)
+        assert client.llen(dead_letter_list(redis_queue)) == 2
+        assert client.exists(dead_letter_list(routing_key)) == 0
+        assert {line["path"] for line in logs if line["event"] == SET_ASIDE} == {
+            f"redis list {dead_letter_list(redis_queue)}"
+        }
+    finally:
+        client.delete(dead_letter_list(routing_key), f"_kombu.binding.{exchange.name}")
+        client.close()

@@ -36,7 +36,9 @@ OPEN_FLAGS: Final = os.O_CLOEXEC | os.O_NOFOLLOW
 
 FILE_MODE: Final = 0o666
 """Message and lock files are as open as the process's umask allows, as kombu's were: the
-processes that share a broker folder (workers, a dispatcher) may run as users of one group."""
+processes that share a broker folder (workers, a dispatcher) may run as users of one group.
+Another consumer opens a lock file read-only to test its ``flock`` (which needs no write
+access), so a umask of 022 still lets it find a dead consumer."""
 
 
 class Holder:
@@ -205,7 +207,7 @@ def recover_dead_consumers(root: Path) -> int:
 def _recover_consumer(root: Path, consumer_id: str) -> int:
     lock = root / layout.CONSUMERS / (consumer_id + layout.LOCK_SUFFIX)
     try:
-        fd = os.open(lock, os.O_RDWR | OPEN_FLAGS)
+        fd = os.open(lock, os.O_RDONLY | OPEN_FLAGS)  # flock needs no write access
     except FileNotFoundError:
         return 0
     except OSError as error:  # not ours to open: its owner's to restore when it starts again
@@ -252,7 +254,7 @@ def _remove_stale(path: Path, age_s: float, *, lock: bool = True) -> None:
         if not lock:
             os.unlink(path)
             return
-        fd = os.open(path, os.O_RDWR | OPEN_FLAGS)
+        fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
     except OSError:
         return
     try:

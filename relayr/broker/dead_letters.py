@@ -10,8 +10,9 @@ kombu message, or that the consumer's callback raised on is moved where a person
 (the broker's dead letters), one ``broker message set aside`` line names where it went and
 why, and the consumer goes on with the next message.
 
-Errors of the connection itself (Redis unreachable, say) are raised as before: those are for
-Celery to reconnect on, not the message's fault.
+Errors of the connection itself (Redis unreachable, say; any ``OSError`` on the embedded
+broker, whose files are its connection) are raised as before: those are for Celery to
+reconnect on, not the message's fault.
 """
 
 import base64

@@ -16,7 +16,13 @@ The guarantees (the folders are in :mod:`relayr.broker.layout`):
   worker's messages wait at most :data:`RECOVER_EVERY_S` plus one poll, while any consumer of
   the same broker folder runs, or else until the next one starts.
 - **A file that is not a kombu message is set aside**, never raised into Celery
-  (:mod:`relayr.broker.dead_letters`); so is a message its consumer raised on or rejected.
+  (:mod:`relayr.broker.dead_letters`); so is a message its consumer raised on or rejected, and
+  a file that is not a regular file (a folder, a FIFO that would block the consumer). A file
+  that cannot be read for a reason of the process or the disk (no descriptor left, an I/O
+  error) goes back to its queue and the ``OSError`` is raised: one of this transport's
+  connection errors, on which Celery reconnects. Nothing is ever deleted but by an ack: a
+  message that cannot be moved into its dead letters stays in its consumer's folder, and goes
+  back to its queue when that consumer stops or dies.
 - **FIFO by enqueue time**, and a listing serves many messages: a consumer lists its queue's
   folder once, keeps the :data:`CANDIDATES_PER_LISTING` oldest names and takes them in order,
   and lists again when they are used up (kombu's lists the folder for every message: a backlog
@@ -31,8 +37,10 @@ task events work across processes as they did. The folder must be on a local fil
 (``flock`` and atomic ``rename`` are what the guarantees rest on). See ADR-0013.
 """
 
+import errno
 import heapq
 import os
+import stat
 import threading
 from collections import deque
 from contextlib import suppress
@@ -75,6 +83,11 @@ RECOVER_EVERY_S: Final = 1.0
 """How often a consumer looks for dead consumers' messages: the bound on how long a SIGKILLed
 consumer's messages stay out of their queue while another consumer runs. A look is one listing
 of ``consumers/`` and one non-blocking ``flock`` per consumer."""
+
+FILE_FAULTS: Final = frozenset({errno.EACCES, errno.EPERM, errno.ELOOP})
+"""Why a taken file may fail to open that is the file's own doing (its permissions, a symbolic
+link): it is set aside. Any other ``OSError`` is the process's or the disk's, and the message
+goes back to its queue."""
 
 # kombu's annotations are partial: its classes and functions are used untyped, as Any
 KombuQoS: Any = virtual.QoS
@@ -222,12 +235,35 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
             return payload
 
     def _read_taken(self, queue: str, held: Path) -> dict[str, Any] | None:
+        """The taken file's payload, or None when it is gone or was set aside.
+
+        Raises:
+            OSError: When it cannot be read for a reason that is not the file's (see
+                :data:`FILE_FAULTS`); it is back in its queue first.
+        """
         try:
-            raw = held.read_bytes()
+            fd = os.open(held, os.O_RDONLY | os.O_NONBLOCK | OPEN_FLAGS)
         except FileNotFoundError:
             return None
         except OSError as error:
+            if error.errno not in FILE_FAULTS:
+                self._give_back(queue, held)
+                raise
             self._set_aside_file(queue, held, f"cannot be read: {error}")
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raw = None
+            else:
+                with open(fd, "rb", closefd=False) as file:
+                    raw = file.read()
+        except OSError:
+            self._give_back(queue, held)
+            raise
+        finally:
+            os.close(fd)
+        if raw is None:
+            self._set_aside_file(queue, held, "not a regular file")
             return None
         payload, problem = decode(raw, self)
         if problem is not None:
@@ -282,6 +318,21 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
         else:
             self._set_aside_file(queue, held, set_aside)
 
+    def _give_back(self, queue: str, held: Path) -> None:
+        """Put a taken file that could not be read back in its queue, under its own name (it
+        was never delivered); if even that fails, it stays in this consumer's folder, which
+        goes back to the queue when the consumer stops or dies."""
+        try:
+            os.rename(held, layout.queue_path(self.root, queue) / held.name)
+        except OSError as error:
+            logger.warning(
+                "a message that could not be read stays with its consumer",
+                path=str(held),
+                queue=queue,
+                error=str(error),
+            )
+        self._candidates.pop(queue, None)  # it is older than any name listed
+
     def _restore(self, message: Any) -> None:
         """Move a taken message back to its queue (kombu's requeue and restore call this)."""
         entry = self._held.pop(message.delivery_tag, None)
@@ -302,21 +353,27 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
             log_set_aside("", queue, problem)
 
     def _set_aside_file(self, queue: str, source: Path, problem: str) -> None:
+        """Move a taken file into its queue's dead letters, with its one log line. If it cannot
+        be moved there, it stays where it is, in this consumer's folder: it goes back to its
+        queue when the consumer stops or dies, never deleted."""
         folder = layout.dead_path(self.root, queue)
         target = folder / source.name
         try:
             try:
                 os.rename(source, target)
             except FileNotFoundError:
+                if not source.exists():
+                    return
                 folder.mkdir(parents=True, exist_ok=True)
                 os.rename(source, target)
         except FileNotFoundError:
             return
         except OSError as error:
-            problem = f"{problem}; it could not be moved ({error}), so it was deleted"
+            problem = (
+                f"{problem}; it stays with its consumer, back in its queue when the consumer "
+                f"stops: moving it to {folder} failed ({error.strerror})"
+            )
             target = source
-            with suppress(OSError):
-                os.unlink(source)
         log_set_aside(str(target), queue, problem)
 
     def recover(self) -> None:
@@ -384,9 +441,15 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
 
 
 class Transport(KombuTransport):  # type: ignore[misc]  # kombu, used untyped
-    """relayr's embedded transport: ``transport_options={"folder": ...}`` (see :class:`Channel`)."""
+    """relayr's embedded transport: ``transport_options={"folder": ...}`` (see :class:`Channel`).
+
+    An ``OSError`` is one of its connection errors, as it is of kombu's Redis transport: the
+    files are this broker's connection, so Celery reconnects on one (and it is never taken for
+    a message's fault, :class:`~relayr.broker.dead_letters.SetAsideOnError`).
+    """
 
     Channel = Channel
+    connection_errors = (*KombuTransport.connection_errors, OSError)
     global_state = BrokerState()
     polling_interval = POLLING_INTERVAL_S
     driver_type = "filesystem"
@@ -406,19 +469,21 @@ class Transport(KombuTransport):  # type: ignore[misc]  # kombu, used untyped
 
         Raises:
             TimeoutError: When ``timeout`` passed without a message (``socket.timeout``).
+            OSError: When a taken message cannot be read (it is back in its queue first).
         """
         started = monotonic()
         while True:
             self._woken.clear()
+            now = monotonic()
+            if now >= self._next_recovery:  # on every call: a busy queue is never empty
+                self._next_recovery = now + RECOVER_EVERY_S
+                self._recover()
             try:
                 self.cycle.get(self._deliver, timeout=timeout)
                 return
             except Empty:
                 pass
             now = monotonic()
-            if now >= self._next_recovery:
-                self._next_recovery = now + RECOVER_EVERY_S
-                self._recover()
             wait_s = self.polling_interval
             if timeout is not None:
                 left_s = timeout - (now - started)

@@ -44,14 +44,20 @@ def dead_letter_list(queue: str) -> str:
 class QoS(KombuQoS):  # type: ignore[misc]  # kombu, used untyped
     """kombu's Redis QoS; a message rejected without requeue is set aside, not dropped."""
 
+    def ack(self, delivery_tag: str) -> None:
+        self.channel.consumed_from.pop(delivery_tag, None)
+        super().ack(delivery_tag)
+
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        queue = self.channel.consumed_from.pop(delivery_tag, None)
         if not requeue:
             try:
                 message = self.get(delivery_tag)
             except KeyError:
                 message = None
             if message is not None:
-                queue = (message.delivery_info or {}).get("routing_key") or ""
+                if queue is None:  # not delivered through this channel's consume or get
+                    queue = (message.delivery_info or {}).get("routing_key") or ""
                 self.channel.push_dead_letter(
                     queue, dumps(message.serializable()), "rejected by its consumer"
                 )
@@ -65,7 +71,30 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._screened: list[tuple[str, bytes, str]] = []
+        self.consumed_from: dict[str, str] = {}
+        """The queue each unacknowledged delivery came from, by delivery tag: its dead letters'
+        list, whatever routing key the message was published with."""
         super().__init__(*args, **kwargs)
+
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
+    ) -> Any:
+        def remembered(message: Any) -> Any:
+            if not no_ack:
+                self.consumed_from[message.delivery_tag] = queue
+            return callback(message)
+
+        return super().basic_consume(queue, no_ack, remembered, consumer_tag, **kwargs)
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(queue, no_ack=no_ack, **kwargs)
+        if message is not None and not no_ack:
+            self.consumed_from[message.delivery_tag] = queue
+        return message
+
+    def close(self) -> None:
+        super().close()  # kombu's QoS gives back what is unacknowledged
+        self.consumed_from.clear()
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         client = super()._create_client(asynchronous)
