@@ -27,7 +27,7 @@ from relayr.settings import Settings
 from rules.example import DeployFinished
 from tasks.app import create_celery
 from tasks.runs import send_runs
-from tests.services import REDIS_HOST, REDIS_PORT
+from tests.services import REDIS_HOST, REDIS_PORT, REDIS_URL, forgetting_redis_queue
 from tests.workers import relayr_environment, start_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
@@ -57,15 +57,9 @@ def broker_settings(kind: Broker, home: Path) -> Iterator[dict[str, str]]:
     if kind == "embedded":
         yield relayr_environment(home, requeue_after_s=REQUEUE_AFTER_S)
         return
-    environment = relayr_environment(
-        home,
-        requeue_after_s=REQUEUE_AFTER_S,
-        broker_url=f"redis://{REDIS_HOST}:{REDIS_PORT}/0",
-    )
-    try:
+    environment = relayr_environment(home, requeue_after_s=REQUEUE_AFTER_S, broker_url=REDIS_URL)
+    with forgetting_redis_queue(environment["RELAYR_QUEUE"]):
         yield environment
-    finally:
-        redis.Redis(host=REDIS_HOST, port=REDIS_PORT).delete(environment["RELAYR_QUEUE"])
 
 
 def lose_the_oldest_message(kind: Broker, settings: Settings) -> None:

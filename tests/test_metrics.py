@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from relayr import metrics
 from relayr.cli.processes import RelayrProcess, relayr_command
+from tests.services import forget_redis_queue, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -347,6 +348,8 @@ def probe_worker(
         yield ProbeWorker(process, queue, broker_url, directory, beat)
     finally:
         process.stop(30.0)
+        if broker_url.startswith("redis://"):
+            forget_redis_queue(queue, broker_url)
 
 
 def wait_for(port: int, done: Callable[[Samples], bool]) -> Samples:
@@ -406,7 +409,7 @@ def test_a_relayr_worker_counts_a_small_load(tmp_path: Path, redis_url: str) -> 
     environment = relayr_environment(tmp_path, broker_url=redis_url)
     settings = Settings.from_env(environment)
     plan = Plan(deploys=6, incidents=2)
-    port = _free_port()
+    port = free_port()
     worker = RelayrProcess.start(
         relayr_command("worker", "--concurrency", "2", "--metrics-port", str(port)),
         environment=environment,
@@ -446,11 +449,4 @@ def test_a_relayr_worker_counts_a_small_load(tmp_path: Path, redis_url: str) -> 
         )
     finally:
         worker.stop()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+        forget_redis_queue(settings.queue, redis_url)
