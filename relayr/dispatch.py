@@ -71,8 +71,9 @@ scopes' heads) is read every pass when the application has a rule ordered by sco
 this interval."""
 
 DUE_LIMIT: Final = 1000
-"""How many due runs one pass reads. More wait for a later pass, which comes as soon as the
-queue has taken these; the bound keeps one pass's read and memory small."""
+"""How many due runs one pass reads. More wait for the next pass, which reads the due runs
+again whatever DUE_READ_INTERVAL_S says, and comes at once when this one enqueued some; the
+bound keeps one pass's read and memory small."""
 
 MESSAGES_PER_BURST: Final = 4
 """Into how many messages at least a pass's due runs are split (up to MAX_BATCH_RUNS runs
@@ -213,6 +214,8 @@ class Dispatcher:
             self._due_read_at = now = self._monotonic()
             listed = {_key(ref, run): run for ref, run in due}
             window = _order(*due[-1]) if len(due) >= self._limit else None
+            if window is not None:  # more are due: the next pass, at once, reads them
+                self._due_read_at = None
             await self._observe(listed, window, now)
         else:
             # the runs this pass fired are due at once (no rule orders them): enqueue them

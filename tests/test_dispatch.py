@@ -3,12 +3,13 @@
 The queue here is a list of messages: what the dispatcher promises is which ids it hands over,
 together, and when. A worker taking a message is a run executed (so it leaves the due list), as
 it would be. ``requeue_after_s`` is measured on a clock the test moves, so "the message was
-lost" needs no waiting.
+lost" needs no waiting, and so is the rules' time (:class:`Later`), so a retry comes due when
+the test says, not when a second has passed.
 """
 
 import asyncio
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,9 @@ from tests.builders import Gates
 TENANT, WORKSPACE = "acme", "ops"
 REF = WorkspaceRef(TENANT, WORKSPACE)
 REQUEUE_AFTER_S = 60.0
-BACKOFF = timedelta(seconds=1)
+BACKOFF = timedelta(hours=1)
+"""A retry's wait: no pass takes that long, so a retry is due only once the test moves
+:class:`Later` past it."""
 
 
 class DispatchTestEvent(Event, abstract=True, event_namespace="dispatchtest"):
@@ -88,10 +91,21 @@ class Clock:
         return self.now
 
 
+class Later:
+    """The rules' clock: the time now, plus what the test moved it by."""
+
+    def __init__(self) -> None:
+        self.ahead = timedelta(0)
+
+    def __call__(self) -> datetime:
+        return datetime.now(UTC) + self.ahead
+
+
 class Harness:
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, later: Later) -> None:
         self.runtime = runtime
         self.rules = runtime.application.rules
+        self.later = later
         self.clock = Clock()
         self.depth: int | None = None
         """What the broker says waits in the queue; None: it cannot say."""
@@ -151,9 +165,10 @@ async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
         turn_grace_s=0,
     )
     storage = await open_storage(settings)
+    later = Later()
     application = Application(
         artifacts=ArtifactWorkspaces(storage.artifacts),
-        rules=RuleWorkspaces(storage.rules, events=[Ping, Step], rules=RULES),
+        rules=RuleWorkspaces(storage.rules, events=[Ping, Step], rules=RULES, clock=later),
         actions={"act": act},
         app_deps=Gates(),
         engines=storage.engines,
@@ -162,7 +177,7 @@ async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
         settings, role="dispatcher", application=application, allowlists=Allowlists.empty
     )
     try:
-        yield Harness(runtime)
+        yield Harness(runtime, later)
     finally:
         await runtime.aclose()
 
@@ -207,7 +222,7 @@ async def test_a_run_whose_attempt_was_abandoned_goes_alone(harness: Harness) ->
         await transaction.save_runs([start(pending, now=harness.rules.clock())[0]])
     [abandoned] = await execute_runs(harness.runtime, TENANT, WORKSPACE, [suspect])
     assert abandoned.outcome == "abandoned"
-    await asyncio.sleep(BACKOFF.total_seconds() * 1.5)
+    harness.later.ahead += BACKOFF
     await harness.publish(Ping(), Ping(), Ping(), Ping())
 
     await harness.dispatch()
@@ -316,7 +331,7 @@ async def test_a_run_at_its_next_attempt_is_enqueued_at_once(harness: Harness) -
     assert executed.outcome == "retrying"
 
     _, waiting = await harness.dispatch()
-    await asyncio.sleep(BACKOFF.total_seconds() * 1.5)
+    harness.later.ahead += BACKOFF
     _, due_again = await harness.dispatch()
 
     assert waiting == []
@@ -455,9 +470,10 @@ async def unordered(tmp_path: Path) -> AsyncIterator[Harness]:
         turn_grace_s=0,
     )
     storage = await open_storage(settings)
+    later = Later()
     application = Application(
         artifacts=ArtifactWorkspaces(storage.artifacts),
-        rules=RuleWorkspaces(storage.rules, events=[Ping, Step], rules=RULES[:1]),
+        rules=RuleWorkspaces(storage.rules, events=[Ping, Step], rules=RULES[:1], clock=later),
         actions={"act": act},
         app_deps=Gates(),
         engines=storage.engines,
@@ -466,7 +482,7 @@ async def unordered(tmp_path: Path) -> AsyncIterator[Harness]:
         settings, role="dispatcher", application=application, allowlists=Allowlists.empty
     )
     try:
-        yield Harness(runtime)
+        yield Harness(runtime, later)
     finally:
         await runtime.aclose()
 
@@ -492,7 +508,7 @@ async def test_runs_it_fired_are_enqueued_without_reading_every_due_run(
         [retrying, done] = await execute_runs(harness.runtime, TENANT, WORKSPACE, [failing, other])
         await harness.publish(Ping(), Ping())
         second, fired = await harness.dispatch()
-        await asyncio.sleep(BACKOFF.total_seconds() * 1.5)
+        harness.later.ahead += BACKOFF
         _, early = await harness.dispatch()
         harness.clock.now += DUE_READ_INTERVAL_S
         fourth, late = await harness.dispatch()
@@ -505,3 +521,23 @@ async def test_runs_it_fired_are_enqueued_without_reading_every_due_run(
     assert late == [failing]
     assert fourth.waiting == 2
     assert reads == 2
+
+
+async def test_a_backlog_past_the_due_limit_is_read_again_at_once(unordered: Harness) -> None:
+    """A pass that read as many due runs as it may reads them again the next pass, not only
+    DUE_READ_INTERVAL_S later: the queue drains as fast as workers take the runs."""
+    harness = unordered
+    dispatcher = Dispatcher(
+        harness.runtime, monotonic=harness.clock, limit=2, queue_depth=harness.queue_depth
+    )
+    await harness.publish(*(Ping() for _ in range(5)))
+
+    enqueued: list[list[str]] = []
+    for _ in range(3):
+        harness.queue.clear()
+        await dispatcher.pass_once(harness.enqueue)
+        enqueued.append([run_id for batch in harness.queue for run_id in batch.run_ids])
+        await harness.take(enqueued[-1])
+
+    assert [len(run_ids) for run_ids in enqueued] == [2, 2, 1]
+    assert sorted(r for run_ids in enqueued for r in run_ids) == sorted(await harness.runs())
