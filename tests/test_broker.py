@@ -36,6 +36,7 @@ from relayr.broker.filesystem import RECOVER_EVERY_S
 from relayr.broker.redis import dead_letter_list
 from relayr.settings import Settings
 from tests.broker_samples import GARBAGE
+from tests.services import forget_redis_queue
 
 REPO = Path(__file__).resolve().parent.parent
 QUEUE = "relayr.test.broker"
@@ -483,9 +484,7 @@ def test_a_message_its_callback_raises_on_is_set_aside_and_consuming_goes_on(
 def redis_queue(redis_url: str) -> Iterator[str]:
     queue = f"relayr.test.broker.{uuid.uuid4().hex[:12]}"
     yield queue
-    client = redis.Redis.from_url(redis_url)
-    client.delete(queue, dead_letter_list(queue), f"_kombu.binding.{queue}")
-    client.close()
+    forget_redis_queue(queue, redis_url)
 
 
 @pytest.mark.redis
@@ -570,5 +569,5 @@ def test_a_redis_message_rejected_goes_to_its_queue_s_dead_letters_whatever_its_
             f"redis list {dead_letter_list(redis_queue)}"
         }
     finally:
-        client.delete(dead_letter_list(routing_key), f"_kombu.binding.{exchange.name}")
+        client.delete(dead_letter_list(routing_key))  # none, unless the test fails
         client.close()
