@@ -30,8 +30,9 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
+from tenacity import AsyncRetrying, RetryCallState
 
-from relayr import metrics
+from relayr import metrics, transient
 from relayr.actions import acting
 from relayr.application import Application, open_storage
 from relayr.bridge import Bridge
@@ -374,6 +375,17 @@ async def test_a_claim_tried_again_counts_its_dispatch_lag_once(harness: Harness
 
 def _sample(name: str, **labels: str) -> float:
     return metrics.registry().get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize(("tries", "wait_s"), [(1, 0.05), (2, 0.1), (3, 0.2), (5, 0.5), (60, 0.5)])
+def test_the_wait_after_a_try_doubles_from_the_first_up_to_the_bound(
+    tries: int, wait_s: float
+) -> None:
+    """Three tries wait 0.05 s, then 0.1 s (the bound, 0.5 s, only after more tries)."""
+    state = RetryCallState(retry_object=AsyncRetrying(), fn=None, args=(), kwargs={})
+    state.attempt_number = tries
+    assert transient.WAIT(state) == pytest.approx(wait_s)
+    assert transient.BACKOFF_S == (0.05, 0.5)
 
 
 # ─── what a message releases at once ─────────────────────────────────────────
