@@ -203,9 +203,11 @@ class Runtime:
             return
         self._closed = True
         try:
-            left = await self._grace(self.settings.turn_grace_s)
-            if left:
-                logger.warning("turns still running after the grace period", turns=left)
+            running, asking = await self._grace(self.settings.turn_grace_s)
+            if running or asking:
+                logger.warning(
+                    "turns still running after the grace period", turns=running, asking=asking
+                )
             if self.bridge.runner is not None:
                 await self.bridge.runner.aclose()
             await self.bridge.ledger.aclose()
@@ -219,16 +221,18 @@ class Runtime:
     async def __aexit__(self, *_: object) -> None:
         await self.aclose()
 
-    async def _grace(self, grace_s: float) -> int:
+    async def _grace(self, grace_s: float) -> tuple[int, int]:
         """Wait up to ``grace_s`` for this process's turns, and the turns they hand over to.
 
         A turn that ends hands its thread to the next one asked for meanwhile
-        (docs/libraries.md, A4); that turn is waited for too. Returns how many are still running.
+        (docs/libraries.md, A4); that turn is waited for too, and so is a turn being asked for
+        again (one that failed to start). Returns how many turns are still running, and how
+        many are still being asked for again.
         """
         runner = self.bridge.runner
         turns = self.bridge.turns
         if runner is None:
-            return 0
+            return 0, 0
         deadline = time.monotonic() + grace_s
         threads: set[str] = set()
         while True:
@@ -236,7 +240,7 @@ class Runtime:
             threads |= {handle.thread_id for handle in running}
             remaining = deadline - time.monotonic()
             if not (running or turns.asking) or remaining <= 0:
-                return len(running)
+                return len(running), len(turns.asking)
             # a turn asked for again (one that failed to start) is waited for too
             await asyncio.wait(
                 [*(handle.task for handle in running), *turns.asking], timeout=remaining
@@ -245,7 +249,7 @@ class Runtime:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
                     await runner.drain()
             except TimeoutError:
-                return len(turns.running())
+                return len(turns.running()), len(turns.asking)
             for thread in threads:
                 turns.started(runner.running(thread))
 

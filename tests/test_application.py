@@ -6,12 +6,18 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from artifactr import Runner, UserActor
+from artifactr.agent import ArtifactWorkspace, RunHandle, Session, function_model
 from artifactr.core import MessagePosted, RunEnded
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
+from pydantic_ai.models.function import AgentInfo
 from reflexr import SourceActor
 from sqlalchemy import inspect
+from structlog.testing import capture_logs
 
 from relayr.application import (
     Application,
@@ -34,6 +40,7 @@ from rules.example import (
     REPLY,
     DeployFinished,
     IncidentOpened,
+    TriageNote,
     build_app,
     create_app,
     triage_agent,
@@ -417,19 +424,40 @@ async def test_a_worker_takes_the_turns_asked_for_and_never_taken(
         await runtime.aclose()
 
 
-async def test_shutdown_lets_running_turns_finish_within_the_grace(tmp_path: Path) -> None:
-    settings = settings_for(f"sqlite+aiosqlite:///{tmp_path}/relayr.db", tmp_path, turn_grace_s=5)
-    runtime = await Runtime.start(
-        settings, role="worker", application=await build_app(settings, reply_delay_s=0.5)
+def gated_agent(replying: asyncio.Event, reply: asyncio.Event) -> Agent[Session[None], str]:
+    """The example's agent, whose reply waits for the test: it sets ``replying``, then waits
+    for ``reply``."""
+
+    async def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        replying.set()
+        await reply.wait()
+        return ModelResponse(parts=[TextPart(REPLY)])
+
+    return Agent(
+        function_model(respond),
+        deps_type=Session[None],
+        capabilities=[ArtifactWorkspace(types=[TriageNote])],
     )
+
+
+async def test_shutdown_lets_running_turns_finish_within_the_grace(tmp_path: Path) -> None:
+    settings = settings_for(f"sqlite+aiosqlite:///{tmp_path}/relayr.db", tmp_path, turn_grace_s=60)
+    replying, reply = asyncio.Event(), asyncio.Event()
+    application = dataclasses.replace(await build_app(settings), agent=gated_agent(replying, reply))
+    runtime = await Runtime.start(settings, role="worker", application=application)
     example = Example(runtime)
     thread = await example.thread("incident")
     await example.publish(IncidentOpened(title="slow", thread_id=thread))
     [executed] = await example.work()
     assert executed.outcome == "succeeded"
-    assert runtime.bridge.turns.running()
+    await asyncio.wait_for(replying.wait(), 30)
+    assert runtime.bridge.turns.running()  # it waits for the test, however fast the machine
 
-    await runtime.aclose()
+    closing = asyncio.create_task(runtime.aclose())
+    await asyncio.sleep(0)  # aclose runs up to its first wait: the grace, for the turn
+    assert not closing.done()
+    reply.set()
+    await asyncio.wait_for(closing, 30)
 
     check = await build_app(settings)
     try:
@@ -467,6 +495,37 @@ async def test_shutdown_stops_turns_that_outlive_the_grace(tmp_path: Path) -> No
         assert ended == ["stopped"]
     finally:
         await check.aclose()
+
+
+async def test_shutdown_names_the_turns_still_asked_for_after_the_grace(tmp_path: Path) -> None:
+    """A turn that failed to start on a transient fault is asked for again; one still being
+    asked for when the grace ends is named in the warning, as a running one is."""
+    settings = settings_for(f"sqlite+aiosqlite:///{tmp_path}/relayr.db", tmp_path, turn_grace_s=0.2)
+    runtime = await Runtime.start(settings, role="worker", application=await build_app(settings))
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    async def failed() -> Any:
+        raise ConnectionResetError("the turn's connection was dropped")
+
+    async def again() -> RunHandle | None:
+        asked.set()
+        await answer.wait()
+        return None
+
+    try:
+        handle = RunHandle("run-1", "thr-1", asyncio.create_task(failed()))
+        runtime.bridge.turns.started(handle, again=again)
+        await asyncio.wait_for(asked.wait(), 30)
+
+        with capture_logs() as logs:
+            await asyncio.wait_for(runtime.aclose(), 30)
+    finally:
+        answer.set()
+        await asyncio.gather(*runtime.bridge.turns.asking)
+        await runtime.aclose()
+
+    [warned] = [e for e in logs if e["event"] == "turns still running after the grace period"]
+    assert (warned["turns"], warned["asking"]) == (0, 1)
 
 
 def test_the_allowlist_grants_turns_to_the_triage_rule_only() -> None:
