@@ -26,7 +26,8 @@ from relayr.settings import Settings
 from tasks.app import create_celery
 from tasks.runs import send_runs
 from tests.apps import TURN_RELEASE_FILE
-from tests.workers import RelayrProcess, relayr_environment, running_worker
+from tests.services import forgetting_redis_queue
+from tests.workers import RelayrProcess, log_records, relayr_environment, running_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(900)]
 """Bounded well above what a scenario needs on a quiet machine (under a minute for 220 runs):
@@ -96,8 +97,11 @@ def embedded(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def on_redis(tmp_path: Path, redis_url: str) -> dict[str, str]:
-    return relayr_environment(tmp_path, broker_url=redis_url)
+def on_redis(tmp_path: Path, redis_url: str) -> Iterator[dict[str, str]]:
+    """The shared Redis, on a queue of the test's own, whose keys go with the test."""
+    environment = relayr_environment(tmp_path, broker_url=redis_url)
+    with forgetting_redis_queue(environment["RELAYR_QUEUE"], url=redis_url):
+        yield environment
 
 
 # ─── embedded: filesystem broker, SQLite ─────────────────────────────────────
@@ -141,7 +145,8 @@ def test_postgres_every_run_acts_once(
 ) -> None:
     environment = relayr_environment(tmp_path, broker_url=redis_url, database_url=postgres_url)
     plan = Plan(deploys=200, incidents=20)
-    assert_counts(scenario(environment, plan, copies=copies), plan)
+    with forgetting_redis_queue(environment["RELAYR_QUEUE"], url=redis_url):
+        assert_counts(scenario(environment, plan, copies=copies), plan)
 
 
 @pytest.mark.postgres
@@ -175,18 +180,12 @@ def test_a_malformed_message_is_refused_in_one_line_and_the_worker_goes_on(
     assert summary["problems"] == []
 
 
-def log_lines(worker: RelayrProcess) -> Iterator[dict[str, Any]]:
-    for line in worker.log().splitlines():
-        if line.startswith("{"):
-            yield json.loads(line)
-
-
 def wait_for_lines(
     worker: RelayrProcess, event: str, *, count: int, timeout_s: float = 30
 ) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while True:
-        found = [line for line in log_lines(worker) if line.get("event") == event]
+        found = [line for line in log_records(worker.log()) if line.get("event") == event]
         if len(found) >= count or time.monotonic() > deadline:
             assert len(found) >= count, worker.log()
             return found
