@@ -17,10 +17,7 @@ stopped at the depth limit.
 """
 
 import asyncio
-import json
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +26,6 @@ from artifactr import UserActor
 from artifactr.core import MessagePosted as ArtifactrMessagePosted
 from reflexr import SourceActor
 
-from relayr.cli.processes import RelayrProcess, relayr_command
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tests.follow_app import (
@@ -41,15 +37,19 @@ from tests.follow_app import (
     Asked,
     Looped,
 )
-from tests.workers import REPO, relayr_environment, running_worker
+from tests.workers import (
+    RelayrProcess,
+    log_records,
+    relayr_environment,
+    running_dispatcher,
+    running_worker,
+    until,
+)
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(600)]
 
 TENANT, WORKSPACE = "acme", "ops"
 PERSON = UserActor(id="alice")
-DISPATCHER_READY = '"runtime started"'
-"""What a dispatcher's JSON log says once it runs (relayr.runtime)."""
-
 WAIT_S = 180.0
 """How long any one step may take: far above what it needs on a quiet machine."""
 
@@ -72,29 +72,10 @@ def environment(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str
     return relayr_environment(tmp_path / "home", **settings)
 
 
-@contextmanager
-def dispatcher(environment: dict[str, str], name: str, *args: str) -> Iterator[RelayrProcess]:
-    """``relayr dispatch ARGS`` for the block; stopped, or killed, however it ends."""
-    home = Path(environment["RELAYR_HOME"])
-    process = RelayrProcess.start(
-        relayr_command("dispatch", *args),
-        name=name,
-        environment=environment,
-        cwd=REPO,
-        log_path=home / f"{name}.log",
-    )
-    try:
-        yield process.ready(DISPATCHER_READY)
-    finally:
-        process.stop()
-
-
 def batches_of(process: RelayrProcess) -> list[dict[str, Any]]:
     """The batches a follower published, as its JSON log says, in order."""
     return [
-        line
-        for line in (json.loads(text) for text in process.log().splitlines() if text[:1] == "{")
-        if line.get("event") == "follow batch published"
+        line for line in log_records(process.log()) if line.get("event") == "follow batch published"
     ]
 
 
@@ -106,21 +87,6 @@ def in_runtime[T](environment: dict[str, str], work: Callable[[Runtime], Any]) -
             return result
 
     return asyncio.run(main())
-
-
-def until[T](what: str, probe: Callable[[], T | None], *processes: RelayrProcess) -> T:
-    """Poll ``probe`` until it returns something, within :data:`WAIT_S`."""
-    deadline = time.monotonic() + WAIT_S
-    while (found := probe()) is None:
-        for process in processes:
-            assert process.alive(), (
-                f"{process.name} died while waiting for {what}:\n{process.log()}"
-            )
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"== {p.name}\n{p.log()[-6000:]}" for p in processes)
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.2)
-    return found
 
 
 async def _start(runtime: Runtime) -> tuple[str, str]:
@@ -198,23 +164,36 @@ def test_a_reply_reaches_a_rule_once_across_a_dispatcher_killed_mid_follow(
 ) -> None:
     home = Path(environment["RELAYR_HOME"])
     with running_worker(environment, home) as worker:
-        with dispatcher(environment, "dispatcher-1", "--no-follow") as first:
+        with running_dispatcher(environment, home, "--no-follow", name="dispatcher-1") as first:
             asked, looped = in_runtime(environment, _start)
-            until("the agent's reply", lambda: in_runtime(environment, _replied), worker, first)
+            until(
+                "the agent's reply",
+                lambda: in_runtime(environment, _replied),
+                worker,
+                first,
+                timeout_s=WAIT_S,
+            )
         (home / GATE_ARMED).touch()
-        with dispatcher(environment, "dispatcher-2") as second:
+        with running_dispatcher(environment, home, name="dispatcher-2") as second:
             held = until(
                 "the follower to stop after its publish",
                 lambda: (home / GATE_HELD).read_text() if (home / GATE_HELD).exists() else None,
                 worker,
                 second,
+                timeout_s=WAIT_S,
             )
             second.kill()
             killed_in = batches_of(second)
         pid, first_seq, last_seq = (int(part) for part in held.split())
         assert pid == second.pid
-        with dispatcher(environment, "dispatcher-3") as third:
-            state = until("the rules to settle", lambda: _settled(environment), worker, third)
+        with running_dispatcher(environment, home, name="dispatcher-3") as third:
+            state = until(
+                "the rules to settle",
+                lambda: _settled(environment),
+                worker,
+                third,
+                timeout_s=WAIT_S,
+            )
             batches = batches_of(third)
         assert worker.alive(), worker.log()
 

@@ -18,41 +18,31 @@ needs (the ``relayr.turn`` span, then the spans of every process) until it is th
 
 import json
 import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from relayr.cli.processes import RelayrProcess, relayr_command
+from relayr.cli.processes import relayr_command
 from rules.example.agent import REPLY
 from tests.otlp import ReceivedSpan, Receiver, receiving
-from tests.workers import REPO, relayr_environment, running_worker
+from tests.services import forgetting_redis_queue
+from tests.workers import (
+    REPO,
+    log_records,
+    relayr_environment,
+    running_dispatcher,
+    running_worker,
+    until,
+)
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(600)]
 
 WAIT_S = 240.0
 """How long any one wait may take: far above what it needs on a quiet machine (seconds)."""
 
-DISPATCHER_READY = '"runtime started"'
-"""What the dispatcher's JSON log says once it runs (relayr.runtime)."""
-
 TENANT_WORKSPACE = "acme/ops"
-
-
-def until[T](what: str, probe: Callable[[], T | None], *processes: RelayrProcess) -> T:
-    """Poll ``probe`` until it returns something, within :data:`WAIT_S`."""
-    deadline = time.monotonic() + WAIT_S
-    while (found := probe()) is None:
-        for process in processes:
-            assert process.alive(), f"{process.name} died waiting for {what}:\n{process.log()}"
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"== {p.name}\n{p.log()[-6000:]}" for p in processes)
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.25)
-    return found
 
 
 def relayr(environment: dict[str, str], *args: str) -> str:
@@ -68,21 +58,6 @@ def relayr(environment: dict[str, str], *args: str) -> str:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
-
-
-@contextmanager
-def dispatcher(environment: dict[str, str], log_dir: Path) -> Iterator[RelayrProcess]:
-    process = RelayrProcess.start(
-        relayr_command("dispatch"),
-        name="dispatcher",
-        environment=environment,
-        cwd=REPO,
-        log_path=log_dir / "dispatcher.log",
-    )
-    try:
-        yield process.ready(DISPATCHER_READY)
-    finally:
-        process.stop()
 
 
 def ancestors(span: ReceivedSpan, by_id: dict[str, ReceivedSpan]) -> Iterator[ReceivedSpan]:
@@ -108,8 +83,11 @@ def texts(value: object) -> Iterator[str]:
 
 @pytest.fixture
 def traced(tmp_path: Path, redis_url: str) -> Iterator[tuple[Receiver, dict[str, str]]]:
-    with receiving() as receiver:
-        environment = relayr_environment(tmp_path / "home", broker_url=redis_url, turn_grace_s=5)
+    environment = relayr_environment(tmp_path / "home", broker_url=redis_url, turn_grace_s=5)
+    with (
+        forgetting_redis_queue(environment["RELAYR_QUEUE"], url=redis_url),
+        receiving() as receiver,
+    ):
         environment["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
         yield receiver, environment
 
@@ -123,7 +101,7 @@ def test_one_trace_from_the_publish_to_the_turn_s_end(
     thread_id = json.loads(created)["id"] if created.startswith("{") else created.strip()
     with (
         running_worker(environment, tmp_path, concurrency=1) as worker,
-        dispatcher(environment, tmp_path) as dispatching,
+        running_dispatcher(environment, tmp_path) as dispatching,
     ):
         data = json.dumps({"title": secret, "thread_id": thread_id})
         published = relayr(
@@ -142,7 +120,7 @@ def test_one_trace_from_the_publish_to_the_turn_s_end(
                 None,
             )
 
-        publish = until("the publish's span", publish_span, worker, dispatching)
+        publish = until("the publish's span", publish_span, worker, dispatching, timeout_s=WAIT_S)
         trace_id = publish.trace_id
 
         def in_trace() -> list[ReceivedSpan]:
@@ -151,7 +129,9 @@ def test_one_trace_from_the_publish_to_the_turn_s_end(
         def turn_ended() -> ReceivedSpan | None:
             return next(iter(named(in_trace(), "relayr.turn")), None)
 
-        turn = until("relayr.turn in the publish's trace", turn_ended, worker, dispatching)
+        turn = until(
+            "relayr.turn in the publish's trace", turn_ended, worker, dispatching, timeout_s=WAIT_S
+        )
 
         def everything() -> list[ReceivedSpan] | None:
             # each process exports on its own schedule: wait until each one's part is in
@@ -159,7 +139,7 @@ def test_one_trace_from_the_publish_to_the_turn_s_end(
             wanted = {"relayr.evaluate", "relayr.enqueue", "relayr.complete", "relayr.send"}
             return spans if wanted <= {span.name for span in spans} else None
 
-        spans = until("every process's spans", everything, worker, dispatching)
+        spans = until("every process's spans", everything, worker, dispatching, timeout_s=WAIT_S)
         worker_log = worker.log()
 
     by_id = {span.span_id: span for span in spans}
@@ -242,7 +222,7 @@ def test_one_trace_from_the_publish_to_the_turn_s_end(
     # log lines and traces join: the worker's lines of the run carry the trace's id
     started = [
         line
-        for line in map(json.loads, filter(lambda text: text[:1] == "{", worker_log.splitlines()))
+        for line in log_records(worker_log)
         if line.get("event") == "attempt started" and line.get("rule") == "ops:incident-triage"
     ]
     assert [line["trace_id"] for line in started] == [trace_id]
