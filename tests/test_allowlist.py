@@ -3,6 +3,9 @@
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -335,16 +338,63 @@ def test_unreadable_files(tmp_path: Path) -> None:
 
 
 def test_unreadable_for_permissions(tmp_path: Path) -> None:
+    """A file the worker may not read is refused as such ("permission denied"), not as a
+    missing or invalid one.
+
+    Root reads any file, whatever its mode, and CI runs as root: there the load runs in a
+    process that stays root but without the capabilities that bypass a file's mode
+    (``CAP_DAC_OVERRIDE``, ``CAP_DAC_READ_SEARCH``), so the mode applies to it as to anyone.
+    """
     path = tmp_path / "locked.toml"
     path.write_text("[default]\n")
     path.chmod(0)
     try:
         if os.access(path, os.R_OK):
-            pytest.skip("running with privileges that read any file")
-        with pytest.raises(InvalidAllowlist, match="permission denied"):
-            load_allowlist(path)
+            problems = load_without_privileges(path)
+        else:
+            with pytest.raises(InvalidAllowlist) as raised:
+                load_allowlist(path)
+            problems = [problem.message for problem in raised.value.problems]
     finally:
         path.chmod(0o600)
+    assert problems == ["cannot read: permission denied"]
+
+
+UNPRIVILEGED_LOAD = """
+import json, os, sys
+from relayr.allowlist_file import load_allowlist
+from relayr.core.errors import InvalidAllowlist
+assert not os.access(sys.argv[1], os.R_OK), "the file is still readable: privileges kept"
+try:
+    load_allowlist(sys.argv[1])
+except InvalidAllowlist as invalid:
+    print(json.dumps([problem.message for problem in invalid.problems]))
+else:
+    print("[]")
+"""
+
+
+def load_without_privileges(path: Path) -> list[str]:
+    """The problems ``load_allowlist(path)`` raises in a process without the capabilities that
+    read any file (dropped from its bounding set by util-linux's ``setpriv``)."""
+    setpriv = shutil.which("setpriv")
+    command = [
+        str(setpriv),
+        "--bounding-set=-dac_override,-dac_read_search",
+        sys.executable,
+        "-c",
+        UNPRIVILEGED_LOAD,
+        str(path),
+    ]
+    done = None if setpriv is None else subprocess.run(command, capture_output=True, text=True)
+    if done is None or done.returncode != 0:
+        why = "setpriv is missing" if done is None else done.stderr.strip()
+        message = f"cannot drop the privileges that read any file: {why}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message + " (CI=true: this test may not skip)")
+        pytest.skip(message)
+    problems: list[str] = json.loads(done.stdout)
+    return problems
 
 
 def test_the_example_application_file() -> None:
