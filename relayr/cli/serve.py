@@ -14,6 +14,7 @@ Celery, the libraries and the application are imported when a command runs, not 
 is imported: ``relayr --help`` imports it to print the commands (ADR-0050).
 """
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -31,18 +32,21 @@ from relayr.cli.helpers import (
 if TYPE_CHECKING:
     import asyncio
 
+    from relayr.batch import RunBatch
+    from relayr.dispatch import Enqueue
     from relayr.runtime import Runtime
     from relayr.settings import Settings
 
 METRICS_ADDRESS: Final = "0.0.0.0"
 """Where ``--metrics-port`` listens: every IPv4 interface, so Prometheus can scrape a pod."""
 
-metrics_port_option = click.option(
-    "--metrics-port",
-    type=click.IntRange(min=0, max=65535),
-    default=None,
-    help="Serve Prometheus metrics on this port.",
-)
+
+def metrics_port_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--metrics-port``: where a worker or the dispatcher serves Prometheus metrics
+    (:data:`METRICS_ADDRESS`), none by default."""
+    return click.option(
+        "--metrics-port", type=click.IntRange(min=0, max=65535), default=None, help=help
+    )
 
 
 @click.command()
@@ -69,12 +73,7 @@ metrics_port_option = click.option(
     type=click.Choice(["prefork", "solo"]),
     help="prefork in production: time limits only work there.",
 )
-@click.option(
-    "--metrics-port",
-    type=click.IntRange(min=0, max=65535),
-    default=None,
-    help="Serve Prometheus metrics of every pool process on this port.",
-)
+@metrics_port_option("Serve Prometheus metrics of every pool process on this port.")
 def worker(
     concurrency: int, loglevel: str, hostname: str, pool: str, metrics_port: int | None
 ) -> None:
@@ -160,11 +159,8 @@ async def serve_dispatcher(
     ``relayr health --dispatcher``: a pass stuck on storage stops the beat (ADR-0031). With
     ``follow``, each pass first follows artifactr's logs (ADR-0065).
     """
-    from relayr.batch import RunBatch
     from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
     from relayr.health import heartbeat_path, touch_heartbeat
-    from tasks.app import create_celery
-    from tasks.runs import send_runs
 
     heartbeat = heartbeat_path(runtime.settings.home, "dispatcher")
 
@@ -174,16 +170,39 @@ async def serve_dispatcher(
             touch_heartbeat(heartbeat)
             return done
 
-    app = create_celery(runtime.settings)
-    queue = runtime.settings.queue
-
-    async def enqueue(batch: RunBatch) -> None:
-        send_runs(app, queue, batch)
-
     try:
-        await BeatingDispatcher(runtime, follow=follow).serve(enqueue, stop)
+        await BeatingDispatcher(runtime, follow=follow).serve(
+            batch_enqueuer(runtime.settings), stop
+        )
     finally:
         heartbeat.unlink(missing_ok=True)
+
+
+def batch_enqueuer(settings: "Settings") -> "Enqueue":
+    """Hands a batch of runs to the workers: the dispatcher's enqueue, on Celery.
+
+    Celery's publish blocks its thread: against a broker that is down it retries
+    (``task_publish_retry_policy``), and a connection that does not answer holds it until the
+    socket's timeout. So it runs in a thread of its own (``asyncio.to_thread``, as ``relayr runs
+    retry``'s :func:`relayr.cli.runs.enqueuer` does), and the loop keeps serving what else runs
+    on it meanwhile: the followers and their leases, the heartbeat, ``relayr run``'s
+    supervisor. The dispatcher awaits each batch before it sends the next, so one thread
+    publishes at a time, in the dispatcher's order; Celery takes its connection and producer
+    from kombu's pools (thread-safe queues, which ``relayr runs retry`` already uses from a
+    thread), and the thread gets the caller's context (the enqueue's trace, ADR-0080).
+    """
+    import asyncio
+
+    from tasks.app import create_celery
+    from tasks.runs import send_runs
+
+    app = create_celery(settings)
+    queue = settings.queue
+
+    async def enqueue(batch: "RunBatch") -> None:
+        await asyncio.to_thread(send_runs, app, queue, batch)
+
+    return enqueue
 
 
 def stop_on_signals(stop: "asyncio.Event") -> None:
@@ -206,7 +225,7 @@ follow_option = click.option(
 
 
 @click.command()
-@metrics_port_option
+@metrics_port_option("Serve Prometheus metrics on this port.")
 @follow_option
 def dispatch(metrics_port: int | None, follow: bool) -> None:
     """Run the dispatcher: evaluate rules, queue due runs for the workers (until Ctrl-C)."""
