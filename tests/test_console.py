@@ -2,26 +2,39 @@
 
 A script talks to the console as a forger would (no browser, no JavaScript): every POST is
 refused without the token, without a session, without the session's CSRF token, or from
-another site's page; a console bound to loopback answers loopback names only; every response
+another site's page; a login ends :data:`SESSION_MAX_AGE_S` after it was made, however fresh
+its cookie; a login never leads to another site; wherever it listens, the console answers IP
+addresses, ``localhost`` and the names it was given only (DNS rebinding); every response
 carries headers that forbid scripts and frames; stored markup comes back escaped; bad
 parameters are one line naming them (400). The browser tests on real workers are in
 ``tests/test_console_browser.py``.
 """
 
+import base64
 import html
+import json
 import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
+import itsdangerous
 import pytest
 
 from relayr.cli.processes import relayr_command
-from relayr.console.security import MAX_BODY_BYTES, SESSION_COOKIE
+from relayr.console.security import (
+    LOGGED_IN_AT,
+    MAX_BODY_BYTES,
+    SESSION_COOKIE,
+    SESSION_MAX_AGE_S,
+    session_secret,
+)
 from tests.consoles import Client, Console, relayr, running_console
 from tests.workers import REPO, relayr_environment
 
@@ -129,6 +142,80 @@ def test_login_takes_the_token_and_the_forms_csrf_token(token_console: Console) 
     assert csrf_of(page) != csrf, "a login must rotate the CSRF token"
 
 
+# what browsers read as another site's address once they drop tabs and line breaks and read a
+# backslash as a slash
+ELSEWHERE = (
+    "//evil.example/",
+    "/\t/evil.example/",
+    "/\n/evil.example/",
+    "/\r\n/evil.example/",
+    "/\\evil.example/",
+    "\\/evil.example/",
+    " //evil.example/",
+    "https://evil.example/",
+    "/ /evil.example/",
+)
+
+
+def test_a_login_never_leads_to_another_site(token_console: Console) -> None:
+    client, _ = logged_in(token_console)
+    for where in ELSEWHERE:
+        status, page, _ = client.get(token_console.at("/login?" + urlencode({"next": where})))
+        assert status == 200, where
+        [link] = re.findall(r'<a href="([^"]*)">Go on</a>', page)
+        assert link == "/runs", where
+    fresh = Client()
+    _, page, _ = fresh.get(token_console.at("/login"))
+    for where in ELSEWHERE:
+        status, _, headers = fresh.post(
+            token_console.at("/login"), {"csrf": csrf_of(page), "token": TOKEN, "next": where}
+        )
+        assert (status, headers["location"]) == (303, "/runs"), where
+        _, page, _ = fresh.get(token_console.at("/login"))
+    status, _, headers = fresh.post(
+        token_console.at("/login"),
+        {"csrf": csrf_of(page), "token": TOKEN, "next": "/runs?status=dead&page=2"},
+    )
+    assert (status, headers["location"]) == (303, "/runs?status=dead&page=2")
+
+
+def session_cookie(**session: object) -> dict[str, str]:
+    """A ``Cookie`` header with a session signed now with the console's key, as the console
+    signs it (Starlette's SessionMiddleware): what a browser holds after a response that renewed
+    the cookie, however long ago the login was made."""
+    signer = itsdangerous.TimestampSigner(session_secret(TOKEN))
+    signed = signer.sign(base64.b64encode(json.dumps(session).encode())).decode()
+    return {"Cookie": f"{SESSION_COOKIE}={signed}"}
+
+
+def test_a_login_ends_when_its_time_is_up_however_fresh_its_cookie(
+    token_console: Console,
+) -> None:
+    now = int(time.time())
+    form = {"id": "fir_0000000000000000", "reason": "retired", "csrf": "a-csrf-token"}
+    for name, session in {
+        "current": {"ops": True, "csrf": "a-csrf-token", LOGGED_IN_AT: now - 60},
+        "expired": {
+            "ops": True,
+            "csrf": "a-csrf-token",
+            LOGGED_IN_AT: now - SESSION_MAX_AGE_S - 60,
+        },
+        "unrecorded": {"ops": True, "csrf": "a-csrf-token"},
+    }.items():
+        cookie = session_cookie(**session)
+        status, page, headers = Client().get(token_console.at("/runs"), cookie)
+        assert status == 200, name
+        posted, answer, _ = Client().post(token_console.at("/run/skip"), form, cookie)
+        if name == "current":
+            assert "Logged in with the console's token" in html.unescape(page), name
+            assert (posted, "no run fir_0000000000000000" in answer) == (200, True), name
+            continue
+        assert "Read-only until you" in page, name
+        assert headers["set-cookie"].startswith(f"{SESSION_COOKIE}=null;"), name
+        assert posted == 403, name
+        assert "log in with the console's token to act" in html.unescape(answer), name
+
+
 def test_a_logged_in_action_needs_its_csrf_token_and_this_sites_origin(
     token_console: Console,
 ) -> None:
@@ -187,7 +274,7 @@ def test_a_body_too_large_is_refused_before_it_is_read(token_console: Console) -
     assert chunked.startswith("HTTP/1.1 413"), chunked
 
 
-def test_every_response_forbids_scripts_and_frames_and_loopback_names_only(
+def test_every_response_forbids_scripts_and_frames_and_known_host_names_only(
     token_console: Console,
 ) -> None:
     client = Client()
@@ -203,10 +290,59 @@ def test_every_response_forbids_scripts_and_frames_and_loopback_names_only(
     for host, status in (
         (f"localhost:{port}", 200),
         (f"127.0.0.1:{port}", 200),
+        (f"[::1]:{port}", 200),
         (f"attacker.example:{port}", 400),
         (f"127.0.0.1.nip.io:{port}", 400),
     ):
         assert client.get(token_console.at("/runs"), {"Host": host})[0] == status, host
+
+
+def test_bound_to_every_address_it_answers_the_names_it_was_given_only(tmp_path: Path) -> None:
+    """As compose and Kubernetes run it: on 0.0.0.0, reached through the host's loopback or a
+    port-forward, or by the names of a proxy in front (--allowed-host)."""
+    environment = environment_of(tmp_path, console_token=TOKEN)
+    arguments = ("--host", "0.0.0.0", "--allowed-host", "Console.Example", "--https-only")
+    with running_console(environment, tmp_path, *arguments) as console:
+        port = console.url.rstrip("/").rsplit(":", 1)[1]
+        client = Client()
+        for host, status in (
+            (f"localhost:{port}", 200),
+            (f"127.0.0.1:{port}", 200),
+            (f"10.1.2.3:{port}", 200),  # an address: no other site's name
+            (f"console.example:{port}", 200),
+            ("console.example", 200),
+            (f"attacker.example:{port}", 400),
+            (f"console.example.attacker.example:{port}", 400),
+            (f"127.0.0.1.nip.io:{port}", 400),
+        ):
+            answered, page, _ = client.get(console.at("/runs"), {"Host": host})
+            assert answered == status, (host, page)
+        refused = client.get(console.at("/healthz"), {"Host": f"attacker.example:{port}"})
+        assert refused[0] == 400
+        assert "does not answer to the host name 'attacker.example'" in refused[1]
+        # behind TLS, the session cookie is never sent in clear
+        _, _, headers = client.get(console.at("/login"))
+        assert "; secure" in headers["set-cookie"].lower()
+    log = console.process.log()
+    assert "warning: listening on 0.0.0.0, not loopback" in log
+
+
+@pytest.mark.parametrize("value", ["console.example:8787", "https://console.example", "a b"])
+def test_an_allowed_host_that_is_no_host_name_is_bad_input(tmp_path: Path, value: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "relayr.cli", "console", "--port", "0", "--allowed-host", value],
+        cwd=REPO,
+        env=environment_of(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"Error: --allowed-host {value!r} is not a host name: give the name a browser reaches "
+        "the console by, without scheme, port or path (console.example.com)"
+    ]
+    assert not (tmp_path / "relayr.db").exists()
 
 
 def test_stored_markup_comes_back_as_text(read_only: tuple[Console, str]) -> None:

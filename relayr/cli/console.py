@@ -6,10 +6,13 @@ libraries' engines belong to the loop that made them), and the enqueue ``relayr 
 uses, so a retry from the browser is the command line's retry.
 
 It binds to loopback unless ``--host`` says otherwise, and reads only unless
-``RELAYR_CONSOLE_TOKEN`` is set (ADR-0070). The settings are read, then the address is bound,
-before the runtime is opened: invalid settings, a port in use and an application that cannot
-load are each bad input (exit code 2). ``--port 0`` takes a free port; the line the command
-prints names the one it took.
+``RELAYR_CONSOLE_TOKEN`` is set (ADR-0070). Wherever it listens, it answers only requests
+addressed to an IP address, ``localhost`` or a name given with ``--allowed-host`` (DNS
+rebinding: :mod:`relayr.console.security`); ``--https-only`` marks its session cookie Secure
+behind a proxy that terminates TLS. The settings are read, then the address is bound, before
+the runtime is opened: invalid settings, a malformed ``--allowed-host``, a port in use and an
+application that cannot load are each bad input (exit code 2). ``--port 0`` takes a free port;
+the line the command prints names the one it took.
 
 ``relayr console --probe`` asks a running console's ``/healthz`` (exit 0, or 1 when it does not
 answer): the health check of a deployment that runs it.
@@ -18,7 +21,9 @@ Starlette, Jinja2 and uvicorn are imported when the command runs, never for ``--
 (ADR-0050).
 """
 
+import re
 import socket
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 import click
@@ -40,6 +45,14 @@ PROBE_TIMEOUT_S: Final = 3.0
 WILDCARDS: Final = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 """Where ``--probe`` looks for a console bound to every address: its loopback."""
 
+ANY_HOST: Final = "*"
+"""``--allowed-host``'s value that answers every host name (a proxy in front checks them)."""
+
+HOST_NAME: Final = re.compile(
+    r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*"
+)
+"""A DNS name as a ``Host`` header carries it (lower case, no port, no trailing dot)."""
+
 
 @click.command("console")
 @click.option(
@@ -56,11 +69,28 @@ WILDCARDS: Final = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
     help="The port to listen on (0: a free one, named in the line printed at start).",
 )
 @click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="A host name the console answers to, as browsers reach it (a proxy's, a Service's); "
+    "repeat for more. IP addresses and localhost are always answered; '*' answers every name, "
+    "for a proxy that checks them itself.",
+)
+@click.option(
+    "--https-only",
+    is_flag=True,
+    help="The console is reached over HTTPS only (a proxy terminates TLS): its session cookie "
+    "is Secure, so a browser never sends it in clear.",
+)
+@click.option(
     "--probe",
     is_flag=True,
     help="Do not serve: exit 0 if the console at --host/--port answers /healthz, else 1.",
 )
-def console(host: str, port: int, probe: bool) -> None:
+def console(
+    host: str, port: int, allowed_hosts: tuple[str, ...], https_only: bool, probe: bool
+) -> None:
     """Serve the ops console: runs, a run, threads, the allowlist, health; actions with a token.
 
     Read-only unless RELAYR_CONSOLE_TOKEN is set; then a person logs in with it to retry,
@@ -69,6 +99,7 @@ def console(host: str, port: int, probe: bool) -> None:
     if probe:
         _probe(host, port)
         return
+    hosts = parse_allowed_hosts(allowed_hosts)
     settings = load_settings(log_level="INFO")
     if settings.console_token is None:
         access = "read-only: RELAYR_CONSOLE_TOKEN is not set"
@@ -76,12 +107,38 @@ def console(host: str, port: int, probe: bool) -> None:
         access = "actions for whoever logs in with RELAYR_CONSOLE_TOKEN"
     listener = _listen(host, port)
     try:
-        _serve(settings, listener, access)
+        _serve(settings, listener, access, hosts, https_only)
     finally:
         listener.close()
 
 
-def _serve(settings: "Settings", listener: socket.socket, access: str) -> None:
+def parse_allowed_hosts(values: Sequence[str]) -> frozenset[str] | None:
+    """``--allowed-host``'s names, lower case; None when one is ``*`` (every name).
+
+    Raises:
+        BadInput: Naming the first value that is no host name (a port, a scheme, a path).
+    """
+    names: set[str] = set()
+    for value in values:
+        name = value.strip().lower()
+        if name == ANY_HOST:
+            return None
+        if not HOST_NAME.fullmatch(name) or len(name) > 253:
+            fail(
+                f"--allowed-host {value!r} is not a host name: give the name a browser "
+                "reaches the console by, without scheme, port or path (console.example.com)"
+            )
+        names.add(name)
+    return frozenset(names)
+
+
+def _serve(
+    settings: "Settings",
+    listener: socket.socket,
+    access: str,
+    hosts: frozenset[str] | None,
+    https_only: bool,
+) -> None:
     """Serve the console on ``listener`` until Ctrl-C or SIGTERM."""
     loopback = _is_loopback(listener)
     bound_host, bound_port = listener.getsockname()[:2]
@@ -109,7 +166,7 @@ def _serve(settings: "Settings", listener: socket.socket, access: str) -> None:
             def capture_signals(self) -> Iterator[None]:
                 yield
 
-        app = create_app(Console(runtime, enqueue, loopback=loopback))
+        app = create_app(Console(runtime, enqueue, allowed_hosts=hosts, https_only=https_only))
         config = uvicorn.Config(
             app,
             lifespan="off",  # the runtime is this command's, opened before the server starts
@@ -132,6 +189,13 @@ def _serve(settings: "Settings", listener: socket.socket, access: str) -> None:
             click.echo(
                 f"warning: listening on {bound_host}, not loopback: whoever reaches this port "
                 "can read runs and threads; serve it behind TLS and your access control",
+                err=True,
+            )
+        if hosts is None:
+            click.echo(
+                "warning: --allowed-host '*' answers every host name: a page on another site "
+                "can read this console through a name of its own (DNS rebinding) unless a "
+                "proxy in front checks the names",
                 err=True,
             )
         await server.serve(sockets=[listener])

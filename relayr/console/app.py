@@ -2,7 +2,8 @@
 
 :func:`create_app` builds a Starlette app on a :class:`Console`: the process's one runtime
 (opened by ``relayr console`` in the loop uvicorn serves on, as every relayr process opens
-its own: ADR-0004), the enqueue ``relayr runs retry`` uses, and whether it is bound to loopback.
+its own: ADR-0004), the enqueue ``relayr runs retry`` uses, the host names it answers to, and
+whether it is reached over HTTPS.
 Pages read (:mod:`relayr.console.reads`); actions change runs (:mod:`relayr.console.actions`)
 only for a logged-in session and only by a POST carrying its CSRF token
 (:mod:`relayr.console.security`, ADR-0070). Templates are Jinja2 with autoescape on, so nothing
@@ -19,11 +20,13 @@ Pages:
 - ``/login``, ``/logout``; ``/healthz`` (``ok``, for probes; reads nothing).
 """
 
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import jinja2
 import structlog
@@ -57,12 +60,13 @@ from .queries import (
 )
 from .security import (
     CSRF_FIELD,
-    LOOPBACK_NAMES,
+    LOGGED_IN_AT,
     SESSION_COOKIE,
     SESSION_MAX_AGE_S,
     BodyLimit,
     SecurityHeaders,
     cross_site,
+    login_current,
     new_csrf_token,
     same_secret,
     session_secret,
@@ -96,13 +100,17 @@ class Console:
     Attributes:
         runtime: The process's runtime: settings, the application, the ledger.
         enqueue: Hands a retried run to the workers (``relayr runs retry``'s).
-        loopback: Whether it is bound to a loopback address: then it answers loopback names
-            only (:class:`relayr.console.security.SecurityHeaders`).
+        allowed_hosts: The host names it answers to besides IP addresses and ``localhost``
+            (``--allowed-host``); None: every name
+            (:func:`relayr.console.security.answers_to`).
+        https_only: Whether it is reached over HTTPS only (a proxy terminates TLS): its session
+            cookie is then Secure, so a browser never sends it in clear.
     """
 
     runtime: Runtime
     enqueue: EnqueueRun
-    loopback: bool = True
+    allowed_hosts: frozenset[str] | None = field(default_factory=frozenset)
+    https_only: bool = False
 
     @property
     def token(self) -> str | None:
@@ -126,6 +134,7 @@ def templates() -> jinja2.Environment:
         STATUS_HELP=STATUS_HELP,
         PAGE_SIZE=PAGE_SIZE,
         TURN_ADVICE=reads.TURN_ADVICE,
+        SESSION_HOURS=SESSION_MAX_AGE_S // 3600,
     )
     environment.filters["age"] = age
     environment.filters["when"] = when
@@ -154,10 +163,21 @@ def create_app(console: Console) -> Starlette:
     runtime = console.runtime
     token = console.token
 
+    def logged_in(request: Request) -> bool:
+        """Whether the request's session holds a login that has not expired; an expired one is
+        cleared (the response then deletes its cookie)."""
+        session = request.session
+        if not session.get("ops"):
+            return False
+        if login_current(session.get(LOGGED_IN_AT), time.time()):
+            return True
+        session.clear()
+        return False
+
     def access(request: Request) -> dict[str, Any]:
         if token is None:
             return {"mode": "read-only", "can_act": False, "csrf": ""}
-        if request.session.get("ops"):
+        if logged_in(request):
             return {"mode": "ops", "can_act": True, "csrf": request.session["csrf"]}
         return {"mode": "visitor", "can_act": False, "csrf": ""}
 
@@ -188,7 +208,7 @@ def create_app(console: Console) -> Starlette:
     async def acting_form(request: Request) -> FormData:
         """:func:`checked_form`, for a logged-in session only."""
         form = await checked_form(request)
-        if not request.session.get("ops"):
+        if not logged_in(request):
             raise HTTPException(403, "refused: log in with the console's token to act")
         return form
 
@@ -258,7 +278,9 @@ def create_app(console: Console) -> Starlette:
             logger.warning("console login refused", client=client(request))
             raise HTTPException(403, "refused: that is not the console's token")
         request.session.clear()
-        request.session.update({"ops": True, "csrf": new_csrf_token()})
+        request.session.update(
+            {"ops": True, "csrf": new_csrf_token(), LOGGED_IN_AT: int(time.time())}
+        )
         logger.info("console login", client=client(request))
         return RedirectResponse(next_path(text(form, "next")), status_code=303)
 
@@ -297,8 +319,7 @@ def create_app(console: Console) -> Starlette:
         refs = [run_ref(value) for value in form.getlist("run") if isinstance(value, str)]
         if not refs:
             raise BadQuery("no run to retry: preview the dead runs again")
-        results = await actions.confirm_retry(runtime, console.enqueue, refs)
-        query = RunQuery.parse(
+        query = RunQuery.parse(  # every field is read before any run is retried
             {
                 k: v
                 for k, v in form.items()
@@ -306,6 +327,7 @@ def create_app(console: Console) -> Starlette:
             },
             status="dead",
         )
+        results = await actions.confirm_retry(runtime, console.enqueue, refs)
         return done(request, "Retry dead runs", results, back=href("/runs", query.params()))
 
     def done(request: Request, action: str, results: list[Done], *, back: str) -> Response:
@@ -394,7 +416,7 @@ def create_app(console: Console) -> Starlette:
     ]
     routes.append(Mount("/static", StaticFiles(directory=STATIC), name="static"))
     middleware = [
-        Middleware(SecurityHeaders, allowed_hosts=LOOPBACK_NAMES if console.loopback else None),
+        Middleware(SecurityHeaders, allowed_hosts=console.allowed_hosts),
         Middleware(BodyLimit),
     ]
     if token is not None:
@@ -403,8 +425,9 @@ def create_app(console: Console) -> Starlette:
                 SessionMiddleware,
                 secret_key=session_secret(token),
                 session_cookie=SESSION_COOKIE,
-                max_age=SESSION_MAX_AGE_S,
+                max_age=SESSION_MAX_AGE_S,  # the cookie's; the login's own is LOGGED_IN_AT's
                 same_site="strict",
+                https_only=console.https_only,
             )
         )
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
@@ -462,8 +485,19 @@ def reason_of(form: FormData, *, default: str | None) -> str:
 
 
 def next_path(value: str | None) -> str:
-    """Where to go after logging in: a path of this console only, never another site."""
-    if not value or not value.startswith("/") or value.startswith("//") or "\\" in value:
+    """Where to go after logging in: a path of this console only, never another site.
+
+    Browsers drop tabs and line breaks from a URL and read a backslash as a slash, so ``/``, a
+    tab, ``/evil.example`` would lead to ``//evil.example``, another site. So the path must start
+    with one slash, hold no backslash, no space and no control character, and have neither a
+    scheme nor a host; anything else is ``/runs``.
+    """
+    if not value or any(ord(character) <= 0x20 or ord(character) == 0x7F for character in value):
+        return "/runs"
+    if "\\" in value or not value.startswith("/") or value.startswith("//"):
+        return "/runs"
+    parts = urlsplit(value)
+    if parts.scheme or parts.netloc:
         return "/runs"
     return value
 

@@ -5,17 +5,23 @@ The decisions (ADR-0070), each enforced here and nowhere else:
 - **Reading needs nothing; acting needs the token.** Without ``RELAYR_CONSOLE_TOKEN`` the console
   is read-only: it offers no action, and refuses every POST (403). With it, a person logs in
   once with the token (a form, compared in constant time) and gets a signed session cookie
-  (HttpOnly, SameSite=Strict, :data:`SESSION_MAX_AGE_S`); the cookie's signing key is derived
-  from the token, so changing the token logs everyone out, and every replica of the console
-  accepts the others' cookies.
+  (HttpOnly, SameSite=Strict, Secure behind TLS with ``--https-only``); the cookie's signing key
+  is derived from the token, so changing the token logs everyone out, and every replica of the
+  console accepts the others' cookies. A login lasts :data:`SESSION_MAX_AGE_S` from the moment
+  it was made, which the session records (:func:`login_current`): not from the cookie's last
+  signature, which Starlette renews whenever the session changes (older releases: with every
+  response), so that a session in use would never end.
 - **Every change is a POST that carries the session's CSRF token** (a random value kept in the
   signed session, sent back as a hidden form field, compared in constant time); a POST whose
   ``Origin`` is another site's, or that a browser marks ``Sec-Fetch-Site: cross-site``, is
   refused before its form is read. The login form carries one too, so another site cannot log
   a browser in.
-- **Loopback, unless told otherwise**: bound to a loopback address, the console answers only
-  requests whose ``Host`` is a loopback name, so a page on another site cannot read it through
-  a DNS name that points at 127.0.0.1 (DNS rebinding).
+- **Known host names only**: wherever it listens, the console answers a request only when its
+  ``Host`` is an IP address, ``localhost``, or a name given with ``--allowed-host``
+  (:func:`answers_to`), so a page on another site cannot read it through a DNS name of its own
+  that points at the console's address (DNS rebinding): a browser sends that name as ``Host``.
+  An IP address or ``localhost`` is no such name. ``--allowed-host '*'`` answers every name,
+  for a proxy that checks them itself.
 - **Nothing stored is trusted**: templates escape everything (Jinja2's autoescape), and every
   response forbids scripts, frames and foreign resources (:data:`SECURITY_HEADERS`), so a
   ``<script>`` in a message, a rule name or an error is shown as text and never runs.
@@ -23,6 +29,7 @@ The decisions (ADR-0070), each enforced here and nowhere else:
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
 from collections.abc import Iterable
 from typing import Final
@@ -38,8 +45,11 @@ SESSION_COOKIE: Final = "relayr_console"
 """The session cookie's name: one of its own, so another app on the same host keeps its own."""
 
 SESSION_MAX_AGE_S: Final = 8 * 60 * 60
-"""How long a login lasts: an on-call shift. A stolen cookie is good for at most this long, or
-until the token changes."""
+"""How long a login lasts, from the moment it was made: an on-call shift. A stolen cookie is good
+for at most this long, or until the token changes."""
+
+LOGGED_IN_AT: Final = "logged_in_at"
+"""The session's key for when its login was made (seconds since the epoch)."""
 
 SESSION_KEY_LABEL: Final = b"relayr console session v1"
 """What the session's signing key is derived from, with the token: the key is never the token
@@ -56,8 +66,10 @@ MAX_BODY_BYTES: Final = 1024 * 1024
 A form is parsed before its CSRF token can be checked, so anyone who reaches the port could
 otherwise make the console hold any amount of memory."""
 
-LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
-"""The ``Host`` names a console bound to loopback answers to."""
+ALWAYS_ANSWERED: Final = frozenset({"localhost"})
+"""The host names a console answers to without ``--allowed-host`` (and every IP address): no
+other site can have a browser send them, since DNS rebinding needs a name the attacker's DNS
+answers for."""
 
 SECURITY_HEADERS: Final = (
     (
@@ -95,6 +107,31 @@ def same_secret(given: str | None, expected: str | None) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
+def login_current(logged_in_at: object, now_s: float) -> bool:
+    """Whether a login made at ``logged_in_at`` (the session's :data:`LOGGED_IN_AT`; anything
+    else, a session from before it was recorded included, is no login) still holds at
+    ``now_s``."""
+    if not isinstance(logged_in_at, int | float) or isinstance(logged_in_at, bool):
+        return False
+    return now_s - logged_in_at <= SESSION_MAX_AGE_S
+
+
+def answers_to(name: str | None, allowed: frozenset[str] | None) -> bool:
+    """Whether a console answers a request whose ``Host`` is ``name`` (:func:`host_name`): any
+    IP address, :data:`ALWAYS_ANSWERED`, and the names ``allowed`` (None: every name)."""
+    if allowed is None:
+        return True
+    if name is None:
+        return False
+    if name in ALWAYS_ANSWERED or name in allowed:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def host_name(host_header: str) -> str | None:
     """The name in a ``Host`` header (``[::1]:8787`` is ``::1``), lower case; None if malformed."""
     try:
@@ -123,8 +160,8 @@ def cross_site(connection: HTTPConnection) -> str | None:
 
 
 class SecurityHeaders:
-    """ASGI middleware: :data:`SECURITY_HEADERS` on every response, and, when the console is
-    bound to loopback, a 400 for any ``Host`` that is not a loopback name."""
+    """ASGI middleware: :data:`SECURITY_HEADERS` on every response, and a 400 for a ``Host`` the
+    console does not answer to (:func:`answers_to`; ``allowed_hosts`` None: every one)."""
 
     def __init__(self, app: ASGIApp, *, allowed_hosts: Iterable[str] | None) -> None:
         self.app = app
@@ -142,16 +179,16 @@ class SecurityHeaders:
                 message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
-        if self.allowed_hosts is not None:
-            name = host_name(Headers(scope=scope).get("host", ""))
-            if name not in self.allowed_hosts:
-                refused = PlainTextResponse(
-                    "this console answers only on a loopback address (localhost, 127.0.0.1, "
-                    "[::1]): start it with --host to serve other names\n",
-                    status_code=400,
-                )
-                await refused(scope, receive, with_headers)
-                return
+        name = host_name(Headers(scope=scope).get("host", ""))
+        if not answers_to(name, self.allowed_hosts):
+            refused = PlainTextResponse(
+                f"this console does not answer to the host name {name!r}: it answers to IP "
+                "addresses, localhost and the names given with --allowed-host (start it with "
+                "--allowed-host NAME to serve another)\n",
+                status_code=400,
+            )
+            await refused(scope, receive, with_headers)
+            return
         await self.app(scope, receive, with_headers)
 
 
