@@ -14,12 +14,21 @@ OOM killer, a SIGKILL, a crash in its main process); without a supervisor the ru
   input, which starting it again cannot fix. ``relayr run`` then stops (exit code 2) instead of
   looping. It checks the same inputs itself before the first start, so a bad file is refused
   in one line before anything runs; code 2 later means a file was broken while it ran.
+- A worker that cannot even be started (starting a process fails: a full process table, no
+  memory to fork, a missing interpreter) counts as one more exit in a row: it is logged and
+  tried again after the back-off, as an exit is.
+- A worker's main process that exited is cleaned up at once: what is left of its session (its
+  pool processes) is killed, so a crash loop does not pile up orphaned pools beside the new
+  worker's; their runs' leases lapse and the runs are taken over (``abandoned``). Stopping
+  does the same, whether the worker still ran or not.
 - While it supervises, ``relayr run`` keeps a status file, ``health/worker.supervisor.json``
   under ``RELAYR_HOME``: the worker's pid, whether it is running or waiting to be started
   again, since when, how many restarts so far, and the last exit. ``relayr health --worker``
   reads it and is unhealthy, naming the exit, while the worker is down. The file is written
   whole (a temporary file renamed over it), refreshed at every poll so a reader can tell a live
-  supervisor from a gone one, and removed when ``relayr run`` stops.
+  supervisor from a gone one, and removed when ``relayr run`` stops. It is for health only, so
+  writing it is best effort: a write that fails (a full disk) is logged, and supervising goes
+  on.
 
 This module imports only the standard library and structlog: ``relayr health`` reads the status
 file through it, and a probe must stay cheap to start (ADR-0031).
@@ -79,6 +88,10 @@ class WorkerProcess(Protocol):
 
     def stop(self, timeout_s: float) -> int:
         """Warm shutdown, then a kill after ``timeout_s``; returns the exit code."""
+        ...
+
+    def kill(self) -> int:
+        """Kill the process and what is left of its session; returns the exit code."""
         ...
 
 
@@ -193,11 +206,20 @@ def status_path(home: Path) -> Path:
 
 
 def write_status(path: Path, status: SupervisorStatus) -> None:
-    """Replace the status file whole, so a reader never sees half of it."""
+    """Replace the status file whole, so a reader never sees half of it.
+
+    Raises:
+        OSError: If it cannot be written (no partial file is left behind).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(status.to_json()) + "\n")
-    os.replace(partial, path)
+    try:
+        partial.write_text(json.dumps(status.to_json()) + "\n")
+        os.replace(partial, path)
+    except OSError:
+        with suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise
 
 
 def read_status(path: Path) -> tuple[SupervisorStatus, float] | None:
@@ -246,11 +268,16 @@ class WorkerSupervisor:
         self._worker: WorkerProcess | None = None
         self._started_at = 0.0
         self._status: SupervisorStatus | None = None
+        self._status_failing = False
         self._exits_in_a_row = 0
         self.last_exit: WorkerExit | None = None
 
     def start(self) -> None:
-        """Start the first worker."""
+        """Start the first worker.
+
+        Raises:
+            OSError: If it cannot be started: ``relayr run`` has nothing to supervise yet.
+        """
         self._launch(restarts=0, last_exit=None)
 
     async def supervise(
@@ -274,21 +301,27 @@ class WorkerSupervisor:
                 if ended is not None:
                     restart_at = time.monotonic() + self._back_off(ended)
             elif time.monotonic() >= restart_at:
-                self._relaunch()
-                restart_at = None
+                restart_at = self._relaunch()
             self._refresh()
             with suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), POLL_S)
 
     def stop(self) -> int | None:
-        """Stop the worker (warm shutdown) if one runs, and remove the status file."""
+        """Stop the worker (warm shutdown) if one runs, kill what is left of its session either
+        way, and remove the status file. Returns the exit code of a worker that was running."""
         try:
-            if self._worker is None or self._worker.poll() is not None:
+            if self._worker is None:
+                return None
+            if self._worker.poll() is not None:
+                self._worker.kill()  # its main process is gone: its session's leftovers
                 return None
             logger.info("worker stopping", pid=self._worker.pid)
             return self._worker.stop(self._stop_timeout_s)
         finally:
-            self._path.unlink(missing_ok=True)
+            try:
+                self._path.unlink(missing_ok=True)
+            except OSError as error:
+                logger.warning("status file not removed", path=str(self._path), error=str(error))
 
     def _exited(self) -> WorkerExit | None:
         """How the worker ended, logged, or None while it runs."""
@@ -300,6 +333,7 @@ class WorkerSupervisor:
         uptime_s = time.monotonic() - self._started_at
         ended = WorkerExit.of(returncode, at=_now(), uptime_s=uptime_s)
         self.last_exit = ended
+        self._worker.kill()  # its pool processes, orphaned: they would run on beside the next
         fields = {
             "pid": self._worker.pid,
             "exit_code": ended.code,
@@ -336,9 +370,25 @@ class WorkerSupervisor:
         )
         return delay_s
 
-    def _relaunch(self) -> None:
+    def _relaunch(self) -> float | None:
+        """Start the worker again; if it cannot be started, when to try next (monotonic)."""
         assert self._status is not None
-        self._launch(restarts=self._status.restarts + 1, last_exit=self._status.last_exit)
+        try:
+            self._launch(restarts=self._status.restarts + 1, last_exit=self._status.last_exit)
+        except OSError as error:
+            self._exits_in_a_row = self._policy.exits_in_a_row(self._exits_in_a_row, 0.0)
+            delay_s = self._policy.delay_s(self._exits_in_a_row)
+            logger.error(
+                "worker could not be started; trying again",
+                error=f"{type(error).__name__}: {error}",
+                restart_in_s=delay_s,
+                exits_in_a_row=self._exits_in_a_row,
+                restarts=self._status.restarts,
+            )
+            next_start = datetime.fromtimestamp(_now().timestamp() + delay_s, UTC)
+            self._write(replace(self._status, next_start_at=next_start.isoformat()))
+            return time.monotonic() + delay_s
+        return None
 
     def _launch(self, *, restarts: int, last_exit: WorkerExit | None) -> None:
         self._worker = self._start()
@@ -357,12 +407,33 @@ class WorkerSupervisor:
 
     def _write(self, status: SupervisorStatus) -> None:
         self._status = status
-        write_status(self._path, status)
+        self._best_effort(lambda: write_status(self._path, status))
 
     def _refresh(self) -> None:
         """Move the status file's mtime: a reader so sees the supervisor is alive."""
+
+        def refresh() -> None:
+            try:
+                os.utime(self._path)
+            except FileNotFoundError:
+                if self._status is not None:
+                    write_status(self._path, self._status)
+
+        self._best_effort(refresh)
+
+    def _best_effort(self, write: Callable[[], None]) -> None:
+        """Write the status file, or log why not (once until it is written again)."""
         try:
-            os.utime(self._path)
-        except FileNotFoundError:
-            if self._status is not None:
-                write_status(self._path, self._status)
+            write()
+        except OSError as error:
+            if not self._status_failing:
+                logger.warning(
+                    "status file not written; supervising goes on",
+                    path=str(self._path),
+                    error=f"{type(error).__name__}: {error}",
+                )
+            self._status_failing = True
+            return
+        if self._status_failing:
+            logger.info("status file written again", path=str(self._path))
+        self._status_failing = False
