@@ -11,8 +11,9 @@ machine changes what the fault hits. Each prints its figures as one JSON line (`
 shows them).
 
 Load: 120 notices + 12 turns by default, so each scenario takes about a minute on a 2-core
-machine; ``FAULTS_FULL_LOAD=1`` runs the issue's 300 notices + 30 turns (several minutes per
-scenario). ``FAULTS_SEED`` changes the random moments and points of the pool kills.
+machine; ``FAULTS_FULL_LOAD=1`` runs 300 deploy notices + 30 incident triage turns under each
+fault (several minutes per scenario). ``FAULTS_SEED`` changes the random moments and points of
+the pool kills.
 """
 
 import asyncio
@@ -162,7 +163,8 @@ def test_visibility_timeout_shorter_than_a_slow_run(
     timeout (a rolling deploy of new settings, another app on the broker). kombu's unacked
     messages are global to the Redis database, and that worker's transport puts back every
     one older than its timeout at the head of the queue, the message of the run held inside
-    its action included (held until that delivery was refused, at most 50 s).
+    its action included (held until the test saw that delivery refused, however long the
+    second worker took to start: a hold that gave up first fails the scenario).
     """
     report = scenario(
         "visibility",

@@ -5,7 +5,9 @@ the test's dispatcher:
 
 - the example's ``deploy_notice`` and ``incident_triage``, each wrapped so that a run can be
   held before and after its write when the test asks (:mod:`tests.faults.holds`): that is how a
-  fault lands while a run is known to be inside its action;
+  fault lands while a run is known to be inside its action. Their rules are the example's but
+  for the action timeout, raised above the longest hold
+  (:data:`~tests.faults.constants.HELD_ACTION_TIMEOUT`): a held action is never cancelled;
 - rule ``faults:poison``, whose action kills the pool process running it, as an out-of-memory
   kill would; before it does, it leaves a mark, so the test counts the processes it killed.
 """
@@ -34,6 +36,7 @@ from rules.example import (
     TriageNote,
     triage_agent,
 )
+from tests.faults.constants import HELD_ACTION_TIMEOUT
 from tests.faults.holds import AFTER, BEFORE, Holds
 
 FAULT_APP: Final = "tests.faults.app:create_fault_app"
@@ -83,6 +86,11 @@ def holdable(act: Action, holds: Holds) -> Action:
     return held_action
 
 
+def held_rule(rule: Rule) -> Rule:
+    """``rule`` with :data:`~tests.faults.constants.HELD_ACTION_TIMEOUT` as its timeout."""
+    return rule.model_copy(update={"timeout": HELD_ACTION_TIMEOUT})
+
+
 def poison_action(marks: Path) -> Action:
     async def poison(reaction: Reaction[Any]) -> None:
         mark = marks / f"{reaction.run_id}-{reaction.attempt}-{os.getpid()}"
@@ -112,7 +120,7 @@ async def create_fault_app(settings: Settings) -> Application:
         rules=RuleWorkspaces(
             storage.rules,
             events=[DeployFinished, IncidentOpened, Poisoned],
-            rules=[*RULES, POISON_RULE],
+            rules=[*(held_rule(rule) for rule in RULES), POISON_RULE],
         ),
         actions={
             **{name: holdable(act, holds) for name, act in ACTIONS.items()},

@@ -4,7 +4,8 @@ No fault waits on a timer or on "N runs finished" to strike: on a quiet machine 
 be over first. Each one asks for holds (:mod:`tests.faults.holds`), publishes the part of the
 load whose runs take them, and strikes once runs are held inside their actions, in known pool
 processes; then it releases them. Each waits for conditions only (a file, a process, the
-store), at a named poll interval, under a generous bound that fails the scenario.
+store), at a named poll interval, under a generous bound that fails the scenario. Once it
+struck, it checks that each run it holds was still held then (:meth:`Holds.check_held`).
 """
 
 import asyncio
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Final
 
 from tests.faults.constants import (
+    HOLD_MAX_S,
     POLL_S,
     PROCESS_WAIT_S,
     REFUSAL_WAIT_S,
@@ -27,7 +29,7 @@ from tests.faults.load import Fault, Load
 from tests.faults.private_redis import PrivateRedis
 from tests.faults.processes import alive, children
 from tests.faults.relay import log_lines, refused
-from tests.workers import RelayrProcess
+from tests.workers import READY_TIMEOUT_S, RelayrProcess
 
 FIRST_SHARE: Final = 0.3
 """The part of the load that runs before a one-off fault: the fault strikes mid-load."""
@@ -96,10 +98,10 @@ def kill_pool_processes(kills: int, *, seed: int, concurrency: int = 2) -> Fault
             held = await load.hold_one(f"kill-{index + 1}", share=share, point=point)
             _in_pool(worker, [held])
             os.kill(held.pid, signal.SIGKILL)
+            load.holds.check_held([held], "its pool process was killed")
             load.count("kills")
-            inside = not load.holds.gave_up(held.run_id)
-            load.count("kills_while_runs_ran", inside)
-            load.count("kills_after_the_write", inside and point == AFTER)
+            load.count("kills_while_runs_ran")
+            load.count("kills_after_the_write", point == AFTER)
             load.killed[held.run_id] = held.attempt
             load.holds.release(held.run_id)
         load.figures["pool_replaced_in_s"] = await _pool_replaced(worker, concurrency)
@@ -135,6 +137,7 @@ def kill_worker() -> Fault:
         load.figures["runs_running_at_kill"] = len({run.pid for run in held})
         os.kill(old.process.pid, signal.SIGKILL)
         killed = time.monotonic()
+        load.holds.check_held(held, "their worker was killed")
         load.count("kills")
         await asyncio.to_thread(old.process.wait)
         load.figures["held_attempts"] = await _held_over(load, held)
@@ -184,6 +187,7 @@ def restart_redis(server: PrivateRedis) -> Fault:
         failures = load.handed.failures
         server.kill()
         killed = time.monotonic()
+        load.holds.check_held(held, "Redis was killed")
         load.count("kills")
         await load.publish(QUEUED_SHARE)
         await _until(
@@ -224,8 +228,9 @@ def cut_postgres(database_url: str, *, cuts: int) -> Fault:
                 )
             finally:
                 await connection.close()
+            load.holds.check_held([held], "its database connections were cut")
             load.count("kills")
-            load.count("cuts_while_runs_ran", not load.holds.gave_up(held.run_id))
+            load.count("cuts_while_runs_ran")
             per_cut.append(int(cut))
             load.holds.release(held.run_id)
         load.figures["connections_cut"] = per_cut
@@ -239,7 +244,10 @@ def sweep_with_a_short_visibility_timeout(*, visibility_timeout_s: float) -> Fau
     short, on a queue of its own: at start, its transport puts back every message
     unacknowledged for longer (kombu's ``restore_visible``), the held run's included, at the
     head of the queue, and the first worker is handed a run it is still running. The held run
-    is released once that delivery was refused (``contended``)."""
+    is released once the test saw that delivery refused (``contended``): the run is held for
+    all of it, however slow the machine (the bounds of the waits fit in the hold's)."""
+    longest_s = visibility_timeout_s + READY_TIMEOUT_S + REFUSAL_WAIT_S
+    assert longest_s < HOLD_MAX_S, f"the sweep may take {longest_s} s, above the hold's bound"
 
     async def fault(load: Load) -> None:
         held = await load.hold_one("slow", share=FIRST_SHARE)
@@ -261,7 +269,8 @@ def sweep_with_a_short_visibility_timeout(*, visibility_timeout_s: float) -> Fau
         )
         load.count("sweeps")
         try:
-            load.figures["slow_run_refused_again"] = await _refused(load, held.run_id)
+            await _refused(load, held)
+            load.figures["slow_run_refused_again"] = True
         finally:
             load.holds.release(held.run_id)
             load.figures["slow_run_held_s"] = round(time.time() - held.at, 1)
@@ -270,14 +279,24 @@ def sweep_with_a_short_visibility_timeout(*, visibility_timeout_s: float) -> Fau
     return fault
 
 
-async def _refused(load: Load, run_id: str) -> bool:
-    """Wait until a worker logged a delivery of ``run_id`` refused as ``contended``."""
+async def _refused(load: Load, held: Held) -> None:
+    """Wait until a worker logged a delivery of the held run refused as ``contended``, while
+    the run was still held.
+
+    Raises:
+        AssertionError: If the hold gave up first, or no such delivery came in
+            :data:`REFUSAL_WAIT_S`.
+    """
     deadline = time.monotonic() + REFUSAL_WAIT_S
-    while time.monotonic() < deadline:
-        if any(refused(line, {run_id}) for line in log_lines(load.log_dir)):
-            return True
+    while not any(refused(line, {held.run_id}) for line in log_lines(load.log_dir)):
+        load.holds.check_held([held], "the sweep's redelivery was refused")
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"no delivery of the held run {held.run_id} was refused within "
+                f"{REFUSAL_WAIT_S} s of the sweeping worker's start"
+            )
         await asyncio.sleep(POLL_S)
-    return False
+    load.holds.check_held([held], "the sweep's redelivery was refused")
 
 
 def terminate_worker() -> Fault:
@@ -301,6 +320,7 @@ def terminate_worker() -> Fault:
         await _until(
             lambda: WARM_SHUTDOWN_LINE in old.log(), "the warm shutdown begun", PROCESS_WAIT_S
         )
+        load.holds.check_held(held, "the warm shutdown began")
         for run in held:
             load.holds.release(run.run_id)
         load.figures["exit_code"] = await asyncio.to_thread(old.wait, WORKER_EXIT_S)

@@ -18,8 +18,11 @@ releases the run.
   killed) again on its next attempt, so no hold can push a run to the worker-lost bound.
 - A process holds at most one run at a time (a message names several runs, whose actions run
   at once in one process): holds asked for together are taken in different processes.
-- An action stays held at most :data:`~tests.faults.constants.HOLD_MAX_S`, and one that stopped
-  waiting says so (:meth:`Holds.gave_up`), so the test never counts it as held.
+- A held action waits for the test's release, not for a clock. It stops waiting on its own
+  only after :data:`~tests.faults.constants.HOLD_MAX_S` (for a test that died), far longer than
+  any fault holds a run, and says so (:meth:`Holds.gave_up`); a fault checks, once it struck,
+  that none of its holds did (:meth:`Holds.check_held`), and fails naming it otherwise: it
+  would have struck a run that went on.
 """
 
 import asyncio
@@ -27,6 +30,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -116,6 +120,20 @@ class Holds:
     def gave_up(self, run_id: str) -> bool:
         """Whether the held run stopped waiting for its release on its own."""
         return (self._gave_up / run_id).exists()
+
+    def check_held(self, held: Sequence[Held], struck: str) -> None:
+        """Check that each of ``held`` was still held when the fault ``struck``.
+
+        Raises:
+            AssertionError: Naming a hold that gave up first (its run went on before the
+                fault struck).
+        """
+        for run in held:
+            if self.gave_up(run.run_id):
+                raise AssertionError(
+                    f"hold {run.label} of run {run.run_id} gave up before {struck}: it waited "
+                    f"{HOLD_MAX_S} s for a release that did not come"
+                )
 
     def close(self) -> None:
         """Withdraw the requests no run took and release every held run: once a fault is over,

@@ -10,10 +10,9 @@ the one thing only a log shows: a delivery refused because its run is held (``co
 """
 
 import asyncio
-import json
 import re
 from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -24,6 +23,7 @@ from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
 from tasks.runs import RUN_OUTCOME_LINES, send_runs
+from tests.workers import log_records
 
 
 @dataclass
@@ -77,10 +77,7 @@ _TASK_ID: Final = re.compile(r"\[([0-9a-f-]{36})\]")
 def log_lines(log_dir: Path) -> Iterator[dict[str, Any]]:
     """The JSON lines of every worker log in ``log_dir``."""
     for path in sorted(log_dir.glob("worker-*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                with suppress(ValueError):
-                    yield json.loads(line)
+        yield from log_records(path.read_text(errors="replace"))
 
 
 def outcome_of(line: Mapping[str, Any]) -> tuple[str, str, str] | None:
