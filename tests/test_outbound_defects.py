@@ -1,4 +1,4 @@
-"""The outbound half's defects (issue 11, part 3), each with the test that failed before its fix.
+"""The outbound half's defects, each with the test that failed before its fix.
 
 On real artifactr storage (in memory and SQLite) with a real Runner, through the harness of
 :mod:`tests.test_actions`:
