@@ -4,8 +4,8 @@ On real storage (SQLite and PostgreSQL), one statement of the step fails once as
 would fail it (an ``OperationalError``, raised by the driver hook SQLAlchemy offers,
 ``before_cursor_execute``): the transaction rolls back, relayr tries the step again, and the run
 still succeeds in its first attempt, with one message and its ledger rows, none of the rule's
-retries spent. The broker's publish is broken for real: the dispatcher's connections to a Redis
-of the test's own are killed by the server before a pass.
+retries spent. The broker's publish is broken for real: the dispatcher reaches Redis through a
+proxy of the test's own (``tests.proxy``), which drops its connection and refuses the next one.
 """
 
 import asyncio
@@ -49,7 +49,7 @@ from rules.example import (
 from tasks.app import create_celery
 from tasks.runs import send_runs
 from tests.proxy import Proxy
-from tests.services import REDIS_PORT
+from tests.services import REDIS_PORT, forget_redis_queue
 from tests.workers import ALLOWLIST, relayr_environment, running_worker
 
 TENANT, WORKSPACE = "acme", "ops"
@@ -374,6 +374,7 @@ async def test_a_publish_that_meets_an_unreachable_broker_is_sent(
         proxy.close()
         app.close()
         await runtime.aclose()
+        forget_redis_queue(settings.queue, redis_url)
 
 
 async def world_messages(handle: Any, thread_id: str) -> list[MessagePosted]:
