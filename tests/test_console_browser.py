@@ -1,4 +1,5 @@
-"""The console in a browser, on real processes (issue 13's "done when").
+"""The console in a browser, on real processes: what an on-call engineer does from an alert
+works end to end, and nothing on a page can act for anyone but a logged-in operator.
 
 Debian's Chromium, driven by Playwright, talks to ``relayr console`` started as a subprocess,
 while a real ``celery worker`` and ``relayr dispatch`` run the rules of
@@ -8,7 +9,8 @@ console against what ``relayr runs`` and ``relayr thread show`` say:
 - a run that failed for good is in the dead list with its reason; retried from its page with
   the token, it succeeds and its notice is posted once;
 - the bulk retry's preview lists exactly the dead runs of the filter (``runs retry --dead
-  --dry-run``'s list), and its confirmation retries those;
+  --dry-run``'s list) and changes none, a confirmation with a field it cannot read retries
+  none, and the confirmation retries those listed;
 - without the token no button is shown, and a forged POST is refused (403) with the run left
   as it was;
 - markup in a message, an error, a reason and a thread's title is shown as text, and nothing
@@ -72,6 +74,15 @@ def wait_for(
         return found if len(found) >= count else None
 
     return until(probe, f"{count} {status} run(s) of {filters}")
+
+
+def dead_ids(environment: dict[str, str]) -> set[str]:
+    """Every dead run, across every workspace, as ``TENANT/WORKSPACE/RUN`` (a run's id is its
+    workspace's: two workspaces' runs may share one)."""
+    return {
+        f"{run['tenant_id']}/{run['workspace_id']}/{run['id']}"
+        for run in runs(environment, "--status", "dead")
+    }
 
 
 def publish(environment: dict[str, str], where: str, event: str, **data: str) -> None:
@@ -166,6 +177,8 @@ def test_the_bulk_retry_previews_exactly_the_dead_runs_of_its_filter(
         publish(environment, ELSEWHERE, "opsw:backup", thread_id=there)
         publish(environment, WHERE, "consolew:hostile", thread_id=here, payload="not a backup")
         wait_for(environment, "dead", 5)
+        dead_before = dead_ids(environment)
+        assert len(dead_before) == 5
         selected = ["--rule", BACKUP, "--workspace", WHERE]
         expected = {run["id"] for run in runs(environment, "--status", "dead", *selected)}
         assert len(expected) == 3
@@ -188,7 +201,18 @@ def test_the_bulk_retry_previews_exactly_the_dead_runs_of_its_filter(
             "inputs => inputs.map(input => input.value)"
         )
         assert sorted(confirmed) == sorted(f"{WHERE}/{run_id}" for run_id in expected)
-        assert runs(environment, "--status", "dead", *selected) != []  # a preview changes nothing
+        assert dead_ids(environment) == dead_before  # a preview changes nothing
+
+        # a confirmation whose filter cannot be read is refused before any run is retried
+        csrf = page.locator("#confirm input[name=csrf]").get_attribute("value")
+        assert csrf
+        unreadable = page.request.post(
+            console.at("/retry-dead"),
+            form={"csrf": csrf, "run": confirmed[0], "rule": BACKUP, "since": "2x"},
+        )
+        assert unreadable.status == 400, unreadable.text()
+        assert "since &#39;2x&#39; is not a duration" in unreadable.text()
+        assert dead_ids(environment) == dead_before
 
         (tmp_path / FIXED).touch()
         page.click("#confirm button[type=submit]")
