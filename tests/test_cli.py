@@ -25,6 +25,7 @@ from relayr.cli import cli
 from relayr.cli.processes import RelayrProcess, relayr_command
 from relayr.runtime import Runtime
 from relayr.settings import Settings
+from tests.supervised import kill_left_worker
 from tests.workers import REPO, relayr_environment
 
 SUBCOMMANDS = [
@@ -202,12 +203,14 @@ def test_a_run_id_that_names_no_run_is_bad_input_and_changes_nothing(
 
 @pytest.fixture
 def relayr_run(environment: dict[str, str]) -> Iterator[RelayrProcess]:
-    """``relayr run``: the dispatcher here and a worker subprocess; stopped with Ctrl-C."""
+    """``relayr run``: the dispatcher here and a worker subprocess; stopped with Ctrl-C, else
+    killed, and the worker with it (it runs in a session of its own)."""
+    home = Path(environment["RELAYR_HOME"])
     process = RelayrProcess.start(
         relayr_command("run", "--concurrency", "1"),
         environment=environment,
         cwd=REPO,
-        log_path=Path(environment["RELAYR_HOME"]) / "run.log",
+        log_path=home / "run.log",
     )
     try:
         yield process
@@ -217,6 +220,7 @@ def relayr_run(environment: dict[str, str]) -> Iterator[RelayrProcess]:
             with suppress(subprocess.TimeoutExpired):
                 process.wait(60)
         process.kill()
+        kill_left_worker(home)
         print(process.log()[-5000:])
 
 
