@@ -1,6 +1,9 @@
-"""Ops on real storage: dead runs listed, shown and retried safely (issue 4, a and b).
+"""Ops on real storage: dead runs listed, shown and retried safely, and what ops read is whole.
 
-The runs are executed by relayr's executor over reflexr and artifactr on SQLite (and
+A dead run retried posts its notice once (a); a send whose worker died between its commit and
+its ask gets exactly one turn (b); a list read with a smaller limit is the start of the longer
+one; a run's facts are read from its firing; an enqueue that fails for good still reports every
+run retried. The runs are executed by relayr's executor over reflexr and artifactr on SQLite (and
 PostgreSQL); the retry goes through reflexr's operator retry, and what the retry enqueues is
 executed as a worker would.
 """
@@ -296,8 +299,8 @@ async def test_dry_run_changes_nothing_and_cancel_and_skip_are_reflexrs(ops: Ops
 
 async def test_a_shorter_list_is_the_start_of_the_longer_one(ops: Ops) -> None:
     """reflexr cuts each workspace's runs at the newest created: the list is in that order, so
-    a run created first and changed last is on no page that read fewer runs (issue: ordered by
-    change, it was on neither the first page nor the second)."""
+    a run created first and changed last is on no page that read fewer runs (ordered by change,
+    such a run could be on neither the first page nor the second)."""
     thread = await ops.thread()
     created = [
         await ops.fire(Flaked(thread_id=thread), workspace)

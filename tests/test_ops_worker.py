@@ -1,4 +1,7 @@
-"""Operators and ops on real processes (issue 4, acceptance a-e).
+"""Operators and ops on real processes: (a) a dead run retried posts one notice, (b) a send
+killed between commit and ask gets one message and one turn, (c) ``allowlist explain`` names
+the entry that granted, (d) revoking turns stops the next send while a broken file changes
+nothing, (e) ``allowlist check`` names every problem with its key.
 
 Every step is the command a person would type: ``relayr dispatch`` and a ``celery worker`` run
 as subprocesses, and the test drives them with ``relayr publish``, ``relayr thread``,
