@@ -44,8 +44,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from relayr.broker.layout import queues_folder
-from relayr.settings import Settings
-from relayr.settings import redact as redact  # kept importable here, where it was first
+from relayr.settings import Settings, redact
 from relayr.supervisor import read_status, status_path
 
 type HealthRole = Literal["worker", "dispatcher"]

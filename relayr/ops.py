@@ -243,26 +243,53 @@ async def list_runs(rules: Workspaces, query: RunFilter) -> list[RunRow]:
     return list(itertools.islice(merged, query.limit))
 
 
+class AmbiguousRun(ValueError):
+    """A run id that several workspaces hold, named without its workspace.
+
+    reflexr's run ids are unique within a workspace only (the same event id fired in two
+    workspaces makes the same run id), so acting on "the first that has it" could change a
+    run the operator did not mean.
+    """
+
+    def __init__(self, run_id: str, workspaces: Sequence[WorkspaceKey]) -> None:
+        names = ", ".join(sorted(str(workspace) for workspace in workspaces))
+        super().__init__(
+            f"run {run_id} is in {len(workspaces)} workspaces ({names}): name one with --workspace"
+        )
+
+
 async def find_run(
     rules: Workspaces, run_id: str, workspace: WorkspaceKey | None = None
 ) -> RunRow | None:
-    """The run with this id, in the workspace named or the first that has it."""
+    """The run with this id in the workspace named, or in the one workspace that has it.
+
+    Raises:
+        AmbiguousRun: No workspace named, and more than one has a run of this id.
+    """
+    rows = []
     for ref in await _refs(rules, workspace):
         run = await rules.storage.run(ref, run_id)
         if run is not None:
-            return RunRow.of(ref, run)
-    return None
+            rows.append(RunRow.of(ref, run))
+    if len(rows) > 1:
+        raise AmbiguousRun(run_id, [row.workspace for row in rows])
+    return rows[0] if rows else None
 
 
 async def find_runs(
     rules: Workspaces, named: Iterable[tuple[WorkspaceKey | None, str]]
 ) -> tuple[list[RunRow], list[Done]]:
-    """The runs named (each in its workspace, or the first that has it), and a refusal that
-    names each one that does not exist: ``no run fir_... in acme/ops``."""
+    """The runs named (each in its workspace, or the one workspace that has it), and a refusal
+    that names each one that does not exist (``no run fir_... in acme/ops``) or that several
+    workspaces hold (:class:`AmbiguousRun`)."""
     found: list[RunRow] = []
     missing: list[Done] = []
     for workspace, run_id in named:
-        row = await find_run(rules, run_id, workspace)
+        try:
+            row = await find_run(rules, run_id, workspace)
+        except AmbiguousRun as error:
+            missing.append(Done(run_id, "*", False, str(error)))
+            continue
         if row is not None:
             found.append(row)
             continue

@@ -157,11 +157,13 @@ def test_publishing_an_id_again_adds_nothing(environment: dict[str, str]) -> Non
     assert events_in(environment, "acme", "ops") == 1
 
 
-def fired_run(environment: dict[str, str]) -> str:
-    """A run of the example's ``ops:deploy-notice``, fired in this process: it stays pending
-    (no worker runs it)."""
+def fired_run(environment: dict[str, str], workspace: str = "ops") -> str:
+    """A run of the example's ``ops:deploy-notice`` in ``acme/<workspace>``, fired in this
+    process: it stays pending (no worker runs it)."""
     data = json.dumps({"service": "api", "status": "ok", "thread_id": "thr_1"})
-    published = invoke(environment, "publish", "acme/ops", "deploy:finished", "--data", data)
+    published = invoke(
+        environment, "publish", f"acme/{workspace}", "deploy:finished", "--data", data
+    )
     assert published.exit_code == 0, published.output
 
     async def fire() -> str:
@@ -169,7 +171,7 @@ def fired_run(environment: dict[str, str]) -> str:
         async with runtime:
             rules = runtime.application.rules
             await Reactor(rules, actions=runtime.application.actions).evaluate()
-            log = await rules.open("acme", "ops", actor=SourceActor(name="test"))
+            log = await rules.open("acme", workspace, actor=SourceActor(name="test"))
             [run] = await log.runs(rule="ops:deploy-notice")
             return run.id
 
@@ -196,6 +198,20 @@ def test_a_run_id_that_names_no_run_is_bad_input_and_changes_nothing(
     where = invoke(environment, "runs", *command, "--workspace", "acme/billing", run_id)
     assert_refused(where, f"no run {run_id} in acme/billing: nothing was changed")
     assert status_of(environment, run_id) == "pending"
+
+
+def test_a_run_id_two_workspaces_hold_needs_its_workspace(environment: dict[str, str]) -> None:
+    """The same rule firing at the same seq in two workspaces makes the same run id: without
+    ``--workspace`` the command changes neither and says which to name."""
+    run_id = fired_run(environment)
+    assert fired_run(environment, "billing") == run_id  # the premise
+    ambiguous = f"run {run_id} is in 2 workspaces (acme/billing, acme/ops): name one with"
+    assert_refused(invoke(environment, "runs", "show", run_id), ambiguous)
+    assert_refused(invoke(environment, "runs", "cancel", run_id), ambiguous)
+    cancelled = invoke(environment, "runs", "cancel", "--workspace", "acme/billing", run_id)
+    assert cancelled.exit_code == 0, cancelled.output
+    shown = invoke(environment, "runs", "show", "--workspace", "acme/ops", run_id, "--json")
+    assert json.loads(shown.stdout)["run"]["status"] == "pending"
 
 
 # ─── trying a rule by hand ────────────────────────────────────────────────────

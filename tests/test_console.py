@@ -6,10 +6,12 @@ another site's page; a login ends :data:`SESSION_MAX_AGE_S` after it was made, h
 its cookie; a login never leads to another site; wherever it listens, the console answers IP
 addresses, ``localhost`` and the names it was given only (DNS rebinding); every response
 carries headers that forbid scripts and frames; stored markup comes back escaped; bad
-parameters are one line naming them (400). The browser tests on real workers are in
+parameters are one line naming them (400), and so is a run id that two workspaces hold,
+named without its workspace. The browser tests on real workers are in
 ``tests/test_console_browser.py``.
 """
 
+import asyncio
 import base64
 import html
 import json
@@ -26,6 +28,8 @@ from urllib.parse import urlencode
 
 import itsdangerous
 import pytest
+from reflexr import SourceActor
+from reflexr.workspace import Reactor
 
 from relayr.cli.processes import relayr_command
 from relayr.console.security import (
@@ -35,6 +39,8 @@ from relayr.console.security import (
     SESSION_MAX_AGE_S,
     session_secret,
 )
+from relayr.runtime import Runtime
+from relayr.settings import Settings
 from tests.consoles import Client, Console, relayr, running_console
 from tests.workers import REPO, relayr_environment
 
@@ -385,6 +391,39 @@ def test_a_run_or_thread_that_does_not_exist_is_404(token_console: Console) -> N
     assert (status, "no run fir_0000000000000000" in page) == (404, True)
     status, page, _ = client.get(token_console.at(f"/thread?workspace={WHERE}&id=thr_0"))
     assert (status, "thread thr_0 does not exist in acme/ops" in page) == (404, True)
+
+
+def test_a_run_id_two_workspaces_hold_is_shown_with_its_workspace_only(tmp_path: Path) -> None:
+    """The same rule firing at the same seq in two workspaces makes the same run id: a page
+    that names the id alone says so (400), and names both workspaces."""
+    environment = environment_of(tmp_path)
+    data = json.dumps({"thread_id": "thr_1", "payload": "same"})
+    for where in ("acme/ops", "acme/billing"):
+        relayr(environment, "publish", where, "consolew:hostile", "--data", data)
+
+    async def fired() -> set[str]:
+        runtime = await Runtime.start(Settings.from_env(environment), role="cli")
+        async with runtime:
+            rules = runtime.application.rules
+            await Reactor(rules, actions=runtime.application.actions).evaluate()
+            ids = set()
+            for workspace in ("ops", "billing"):
+                log = await rules.open("acme", workspace, actor=SourceActor(name="test"))
+                ids |= {run.id for run in await log.runs()}
+            return ids
+
+    [run_id] = asyncio.run(fired())  # the premise: one id, in both workspaces
+    with running_console(environment, tmp_path) as console:
+        client = Client()
+        status, page, _ = client.get(console.at(f"/run?id={run_id}"))
+        assert status == 400
+        assert (
+            f"run {run_id} is in 2 workspaces (acme/billing, acme/ops): name one with"
+            in html.unescape(page)
+        )
+        status, page, _ = client.get(console.at(f"/run?id={run_id}&workspace=acme/billing"))
+        assert status == 200
+        assert "acme/billing" in page
 
 
 def test_the_probe_says_whether_the_console_answers(token_console: Console) -> None:

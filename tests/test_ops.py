@@ -39,6 +39,7 @@ from relayr.executor import execute_run
 from relayr.ledger import WorkspaceKey
 from relayr.ops import (
     ENQUEUE_FAILED,
+    AmbiguousRun,
     RunFilter,
     cancel,
     find_run,
@@ -306,7 +307,7 @@ async def test_a_shorter_list_is_the_start_of_the_longer_one(ops: Ops) -> None:
         await ops.fire(Flaked(thread_id=thread), workspace)
         for workspace in (WORKSPACE, "billing", WORKSPACE, "billing", WORKSPACE)
     ]
-    oldest = await find_run(ops.rules, created[0])
+    oldest = await find_run(ops.rules, created[0], KEY)
     assert oldest is not None
     [cancelled] = await cancel(ops.rules, [oldest], reason="changed last")
     assert cancelled.ok
@@ -317,7 +318,7 @@ async def test_a_shorter_list_is_the_start_of_the_longer_one(ops: Ops) -> None:
         shorter = await list_runs(ops.rules, RunFilter(limit=limit))
         assert [row.id for row in shorter] == [row.id for row in whole[:limit]], limit
     # what changed within a duration is found however long ago it was created
-    after = await find_run(ops.rules, created[0])
+    after = await find_run(ops.rules, created[0], KEY)
     assert after is not None
     [changed] = await list_runs(ops.rules, RunFilter(since=after.updated_at, limit=1))
     assert (changed.id, changed.status) == (created[0], "cancelled")
@@ -400,6 +401,26 @@ async def test_runs_that_do_not_exist_are_named(ops: Ops) -> None:
         ("fir_typo", str(KEY), False, f"no run fir_typo in {KEY}"),
         ("fir_gone", "*", False, "no run fir_gone"),
     ]
+
+
+async def test_a_run_id_two_workspaces_hold_is_refused_without_its_workspace(ops: Ops) -> None:
+    """reflexr's firing ids are unique within a workspace only: the same rule firing at the same
+    seq in two workspaces makes the same id. Named without its workspace, such a run is refused,
+    naming both, rather than the first found being changed."""
+    thread = await ops.thread()
+    here = await ops.fire(Flaked(thread_id=thread))
+    there = await ops.fire(Flaked(thread_id=thread), "billing")
+    assert here == there  # the premise: each workspace's first event, the same rule
+    billing = WorkspaceKey(TENANT, "billing")
+    with pytest.raises(AmbiguousRun, match=f"run {here} is in 2 workspaces"):
+        await find_run(ops.rules, here)
+    found, refused = await find_runs(ops.rules, [(None, here), (billing, here)])
+    assert [(row.id, row.workspace) for row in found] == [(here, billing)]
+    [refusal] = refused
+    assert (refusal.run_id, refusal.ok) == (here, False)
+    assert refusal.detail == (
+        f"run {here} is in 2 workspaces ({billing}, {KEY}): name one with --workspace"
+    )
 
 
 TURN_START_S = 30.0

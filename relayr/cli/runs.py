@@ -44,6 +44,11 @@ if TYPE_CHECKING:
     from relayr.runtime import Runtime
     from relayr.settings import Settings
 
+WORKSPACE_OF_RUNS: Final = (
+    "TENANT/WORKSPACE of the runs (default: all; a RUN id that several workspaces hold is "
+    "refused without it)."
+)
+
 STATUSES: Final = ("pending", "running", "retrying", "succeeded", "dead", "cancelled", "skipped")
 
 BROKER_TRIES: Final = 3
@@ -81,7 +86,7 @@ def enqueuer(settings: "Settings") -> "EnqueueRun":
     from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
     from relayr.core.errors import BrokerUnavailable
-    from relayr.health import redact
+    from relayr.settings import redact
     from relayr.transient import is_transient
     from tasks.app import create_celery
     from tasks.runs import RunIds, send_run
@@ -168,7 +173,9 @@ def runs_list(
 
 @runs.command("show")
 @click.argument("run_id", metavar="RUN")
-@click.option("--workspace", help="TENANT/WORKSPACE of the run (default: search all).")
+@click.option(
+    "--workspace", help="TENANT/WORKSPACE of the run (default: the one workspace that has it)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def runs_show(run_id: str, workspace: str | None, as_json: bool) -> None:
     """A run's attempts, what it posted (emission records) and the turns its messages started."""
@@ -177,10 +184,13 @@ def runs_show(run_id: str, workspace: str | None, as_json: bool) -> None:
     settings = load_settings()
 
     async def work(runtime: "Runtime") -> dict[str, Any] | None:
-        from relayr.ops import find_run, show_run
+        from relayr.ops import AmbiguousRun, find_run, show_run
 
         rules = runtime.application.rules
-        row = await find_run(rules, run_id, _key(where))
+        try:
+            row = await find_run(rules, run_id, _key(where))
+        except AmbiguousRun as error:
+            fail(str(error))
         if row is None:
             return None
         artifacts, ledger = runtime.application.artifacts, runtime.bridge.ledger
@@ -219,7 +229,7 @@ def runs_show(run_id: str, workspace: str | None, as_json: bool) -> None:
 @click.argument("run_ids", nargs=-1, metavar="[RUN]...")
 @click.option("--dead", is_flag=True, help="Retry every dead run the filters select.")
 @click.option("--rule", help="With --dead: only runs of this rule.")
-@click.option("--workspace", help="TENANT/WORKSPACE of the runs (default: all).")
+@click.option("--workspace", help=WORKSPACE_OF_RUNS)
 @click.option("--since", help="With --dead: only runs that died within this duration.")
 @click.option("--dry-run", is_flag=True, help="Say what would be retried; change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of results.")
@@ -265,8 +275,8 @@ def runs_retry(
         return await retry(rules, found, enqueue, dry_run=dry_run)
 
     results = on_rules(settings, work)
-    from relayr.health import redact
     from relayr.ops import not_enqueued
+    from relayr.settings import redact
 
     problem = not_enqueued(results, redact(settings.broker_url))
     _report(results, as_json, problem=None if problem is None else f"Error: {problem}")
@@ -274,7 +284,7 @@ def runs_retry(
 
 @runs.command("cancel")
 @click.argument("run_ids", nargs=-1, required=True, metavar="RUN...")
-@click.option("--workspace", help="TENANT/WORKSPACE of the runs (default: all).")
+@click.option("--workspace", help=WORKSPACE_OF_RUNS)
 @click.option("--reason", default="cancelled by ops", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of results.")
 def runs_cancel(
@@ -296,7 +306,7 @@ def runs_cancel(
 @runs.command("skip")
 @click.argument("run_ids", nargs=-1, required=True, metavar="RUN...")
 @click.option("--reason", required=True, help="Why the run will not run (recorded).")
-@click.option("--workspace", help="TENANT/WORKSPACE of the runs (default: all).")
+@click.option("--workspace", help=WORKSPACE_OF_RUNS)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of results.")
 def runs_skip(run_ids: tuple[str, ...], reason: str, workspace: str | None, as_json: bool) -> None:
     """Skip runs: they will not run, and their scope moves on."""

@@ -41,10 +41,10 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from relayr.core.parsing import ID_PATTERN
-from relayr.health import redact
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops import Done, EnqueueRun, not_enqueued
+from relayr.ops import AmbiguousRun, Done, EnqueueRun, not_enqueued
 from relayr.runtime import Runtime
+from relayr.settings import redact
 from relayr.transcript import marker
 
 from . import actions, reads
@@ -225,7 +225,10 @@ def create_app(console: Console) -> Starlette:
 
     async def run(request: Request) -> Response:
         run_id, workspace = run_named(request.query_params)
-        found = await reads.run_page(runtime, run_id, workspace)
+        try:
+            found = await reads.run_page(runtime, run_id, workspace)
+        except AmbiguousRun as error:
+            raise HTTPException(400, str(error)) from None
         if found is None:
             where = f" in {workspace}" if workspace else ""
             raise HTTPException(404, f"no run {run_id}{where}")
