@@ -17,7 +17,7 @@ returns the second time.
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypedDict
 
 from artifactr.core import ArtifactArchived as ArtifactrArtifactArchived
 from artifactr.core import ArtifactChanged as ArtifactrArtifactChanged
@@ -40,6 +40,15 @@ from relayr.follow.events import (
     ProposalResolved,
     TurnEnded,
 )
+
+
+class Origin(TypedDict):
+    """The fields of :class:`relayr.follow.events.ArtifactrEvent`, which every bridged event
+    takes from its envelope the same way: who wrote it, and where it sits in artifactr's log."""
+
+    author: str
+    author_kind: str
+    artifactr_seq: int
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,12 @@ class Source:
     def turn_id(self) -> str | None:
         return self.envelope.run_id
 
+    @property
+    def origin(self) -> Origin:
+        """The envelope's author and seq, as every bridged event names them: a projection
+        builds its event with ``MessagePosted(**source.origin, ...)``."""
+        return Origin(author=self.author, author_kind=self.author_kind, artifactr_seq=self.seq)
+
 
 type Projection = Callable[[Source], Event | None]
 """Turns an envelope into the event to publish, or None to bridge nothing for it."""
@@ -82,9 +97,7 @@ def message_posted(source: Source) -> Event | None:
     event = source.envelope.event
     assert isinstance(event, ArtifactrMessagePosted)
     return MessagePosted(
-        author=source.author,
-        author_kind=source.author_kind,
-        artifactr_seq=source.seq,
+        **source.origin,
         thread_id=event.thread_id,
         message_id=event.message_id,
         kind=event.kind,
@@ -97,9 +110,7 @@ def turn_ended(source: Source) -> Event | None:
     event = source.envelope.event
     assert isinstance(event, RunEnded)
     return TurnEnded(
-        author=source.author,
-        author_kind=source.author_kind,
-        artifactr_seq=source.seq,
+        **source.origin,
         thread_id=event.thread_id,
         turn_id=event.run_id,
         outcome=event.status,
@@ -113,9 +124,7 @@ def artifact_created(source: Source) -> Event | None:
     event = source.envelope.event
     assert isinstance(event, ArtifactrArtifactCreated)
     return ArtifactCreated(
-        author=source.author,
-        author_kind=source.author_kind,
-        artifactr_seq=source.seq,
+        **source.origin,
         artifact_id=event.artifact_id,
         artifact_kind=event.kind,
         version=event.version,
@@ -130,9 +139,7 @@ def artifact_changed(source: Source) -> Event | None:
     event = source.envelope.event
     assert isinstance(event, ArtifactrArtifactChanged)
     return ArtifactChanged(
-        author=source.author,
-        author_kind=source.author_kind,
-        artifactr_seq=source.seq,
+        **source.origin,
         artifact_id=event.artifact_id,
         artifact_kind=event.kind,
         version=event.version,
@@ -148,9 +155,7 @@ def artifact_archived(source: Source) -> Event | None:
     event = source.envelope.event
     assert isinstance(event, ArtifactrArtifactArchived)
     return ArtifactArchived(
-        author=source.author,
-        author_kind=source.author_kind,
-        artifactr_seq=source.seq,
+        **source.origin,
         artifact_id=event.artifact_id,
         artifact_kind=event.kind,
         version=event.version,
@@ -164,9 +169,7 @@ def proposal_created(source: Source) -> Event | None:
     event = source.envelope.event
     assert isinstance(event, ArtifactrProposalCreated)
     return ProposalCreated(
-        author=source.author,
-        author_kind=source.author_kind,
-        artifactr_seq=source.seq,
+        **source.origin,
         proposal_id=event.proposal_id,
         change_type=event.change.type,
         artifact_id=event.change.artifact_id,
@@ -181,9 +184,7 @@ def proposal_resolved(source: Source) -> Event | None:
     event = source.envelope.event
     assert isinstance(event, ArtifactrProposalResolved)
     return ProposalResolved(
-        author=source.author,
-        author_kind=source.author_kind,
-        artifactr_seq=source.seq,
+        **source.origin,
         proposal_id=event.proposal_id,
         decision=event.decision,
         artifact_id=event.artifact_id,
@@ -199,9 +200,7 @@ def feedback_given(source: Source) -> Event | None:
     event = source.envelope.event
     assert isinstance(event, ArtifactrFeedbackGiven)
     return FeedbackGiven(
-        author=source.author,
-        author_kind=source.author_kind,
-        artifactr_seq=source.seq,
+        **source.origin,
         feedback_type=event.feedback_type,
         target=event.target.model_dump(mode="json"),
         value=event.value,
