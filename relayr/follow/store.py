@@ -15,9 +15,7 @@ uses, created when missing as the ledger's are). Times are the caller's clock, i
 process that follows must keep its clock in step, as for reflexr's own leases.
 """
 
-import asyncio
-from collections.abc import AsyncIterator, Collection, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Final, Protocol
@@ -30,19 +28,15 @@ from sqlalchemy import (
     MetaData,
     Table,
     Text,
-    and_,
     case,
     or_,
     select,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from relayr.ledger.port import WorkspaceKey
-from relayr.ledger.sql import create_missing_tables
-
-SUPPORTED_DIALECTS: Final = frozenset({"postgresql", "sqlite"})
+from relayr.ledger.sql import SqlStore, in_workspace
 
 
 @dataclass(frozen=True)
@@ -250,13 +244,7 @@ _WORKSPACE_KEY: Final = ("tenant_id", "workspace_id")
 _LETTER_KEY: Final = ("tenant_id", "workspace_id", "envelope_id")
 
 
-async def migrate(engine: AsyncEngine) -> None:
-    """Create the followers' tables where they are missing; safe at every start, and when
-    processes race to create them (the loser finds them made)."""
-    await create_missing_tables(engine, metadata)
-
-
-class SqlFollowStore:
+class SqlFollowStore(SqlStore):
     """The contract in SQLite or PostgreSQL: one short transaction per call.
 
     It borrows an engine (usually the one both libraries and the ledger use) and never disposes
@@ -264,15 +252,7 @@ class SqlFollowStore:
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
-        dialect = engine.dialect.name
-        if dialect not in SUPPORTED_DIALECTS:
-            raise ValueError(
-                f"followers store into {' or '.join(sorted(SUPPORTED_DIALECTS))}, not {dialect}"
-            )
-        self._engine = engine
-        self._dialect = dialect
-        self._migrated = False
-        self._migrating = asyncio.Lock()
+        super().__init__(engine, metadata, refusal="followers store")
 
     async def take(
         self, workspace: WorkspaceKey, holder: str, *, until: datetime, now: datetime
@@ -311,7 +291,7 @@ class SqlFollowStore:
         table = cursors_table
         moved = (
             update(table)
-            .where(_in(table, workspace), table.c.holder == holder)
+            .where(in_workspace(table, workspace), table.c.holder == holder)
             .values(
                 cursor=case((table.c.cursor < cursor, cursor), else_=table.c.cursor),
                 held_until=until,
@@ -331,7 +311,7 @@ class SqlFollowStore:
         table = cursors_table
         released = (
             update(table)
-            .where(_in(table, workspace), table.c.holder == holder)
+            .where(in_workspace(table, workspace), table.c.holder == holder)
             .values(holder=None, held_until=None)
         )
         async with self._transaction() as connection:
@@ -358,7 +338,7 @@ class SqlFollowStore:
         table = dead_letters_table
         query = select(table).order_by(table.c.tenant_id, table.c.workspace_id, table.c.seq)
         if workspace is not None:
-            query = query.where(_in(table, workspace))
+            query = query.where(in_workspace(table, workspace))
         if not replayed:
             query = query.where(table.c.replayed_at.is_(None))
         async with self._transaction() as connection:
@@ -373,7 +353,7 @@ class SqlFollowStore:
         table = dead_letters_table
         marked = (
             update(table)
-            .where(_in(table, workspace), table.c.envelope_id.in_(list(envelope_ids)))
+            .where(in_workspace(table, workspace), table.c.envelope_id.in_(list(envelope_ids)))
             .values(replayed_at=at)
         )
         async with self._transaction() as connection:
@@ -383,37 +363,11 @@ class SqlFollowStore:
         table = dead_letters_table
         counted = (
             update(table)
-            .where(_in(table, letter.workspace), table.c.envelope_id == letter.envelope_id)
+            .where(in_workspace(table, letter.workspace), table.c.envelope_id == letter.envelope_id)
             .values(reason=letter.reason, error=letter.error, tries=table.c.tries + 1)
         )
         async with self._transaction() as connection:
             await connection.execute(counted)
-
-    @asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[AsyncConnection]:
-        await self._ensure_tables()
-        async with self._engine.begin() as connection:
-            yield connection
-
-    async def _ensure_tables(self) -> None:
-        if self._migrated:
-            return
-        async with self._migrating:
-            if not self._migrated:
-                await migrate(self._engine)
-                self._migrated = True
-
-    def _insert(self, table: Table) -> postgresql.Insert | sqlite.Insert:
-        if self._dialect == "postgresql":
-            return postgresql.insert(table)
-        return sqlite.insert(table)
-
-
-def _in(table: Table, workspace: WorkspaceKey) -> Any:
-    return and_(
-        table.c.tenant_id == workspace.tenant_id,
-        table.c.workspace_id == workspace.workspace_id,
-    )
 
 
 def _letter_row(letter: DeadLetter) -> dict[str, Any]:

@@ -9,10 +9,12 @@ the JSON they were validated into, unique per (workspace, run, epoch, message), 
 again when read, so a record changed in storage is refused rather than returned.
 
 The ledger's two tables (``relayr_causes``, ``relayr_emissions``) are created when missing, once
-per ledger, by :func:`migrate`; processes that start together may race to create them, and the
-loser finds them made. The engine is usually shared with artifactr and reflexr and is not the
-ledger's to dispose of; on SQLite that engine has a single connection, so never call the ledger
-while holding a connection of the same engine.
+per ledger, by :func:`create_missing_tables`; processes that start together may race to create
+them, and the loser finds them made. The engine is usually shared with artifactr and reflexr and
+is not the ledger's to dispose of; on SQLite that engine has a single connection, so never call
+the ledger while holding a connection of the same engine. What the ledger shares with the
+followers' store (the dialects, the tables made on first use, a transaction per call) is
+:class:`SqlStore`.
 """
 
 import asyncio
@@ -24,6 +26,7 @@ from typing import Any, Self
 from sqlalchemy import (
     BigInteger,
     Column,
+    ColumnElement,
     Connection,
     DateTime,
     Integer,
@@ -100,11 +103,6 @@ _CAUSE_COLUMNS = (
 )
 
 
-async def migrate(engine: AsyncEngine) -> None:
-    """Create the ledger's tables where they are missing (:func:`create_missing_tables`)."""
-    await create_missing_tables(engine, metadata)
-
-
 async def create_missing_tables(engine: AsyncEngine, tables: MetaData) -> None:
     """Create ``tables`` where they are missing; safe at every start, and concurrently.
 
@@ -126,7 +124,56 @@ def _has_tables(connection: Connection, tables: MetaData) -> bool:
     return all(inspector.has_table(table.name) for table in tables.sorted_tables)
 
 
-class SqlLedger:
+def in_workspace(table: Table, workspace: WorkspaceKey) -> ColumnElement[bool]:
+    """The rows of ``table`` (keyed by ``tenant_id`` and ``workspace_id``) in ``workspace``."""
+    return and_(
+        table.c.tenant_id == workspace.tenant_id,
+        table.c.workspace_id == workspace.workspace_id,
+    )
+
+
+class SqlStore:
+    """What relayr's own SQL stores share (this ledger, the followers'
+    :class:`relayr.follow.store.SqlFollowStore`): an engine of a supported dialect, their
+    ``tables`` created once, on first use (:func:`create_missing_tables`), one transaction per
+    call, and inserts in the engine's dialect (for its ``ON CONFLICT``).
+
+    ``refusal`` starts the error for an engine of another dialect: ``the ledger stores``.
+    """
+
+    def __init__(self, engine: AsyncEngine, tables: MetaData, *, refusal: str) -> None:
+        dialect = engine.dialect.name
+        if dialect not in SUPPORTED_DIALECTS:
+            raise ValueError(
+                f"{refusal} into {' or '.join(sorted(SUPPORTED_DIALECTS))}, not {dialect}"
+            )
+        self._engine = engine
+        self._tables = tables
+        self._dialect = dialect
+        self._migrated = False
+        self._migrating = asyncio.Lock()
+
+    @asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[AsyncConnection]:
+        await self._ensure_tables()
+        async with self._engine.begin() as connection:
+            yield connection
+
+    async def _ensure_tables(self) -> None:
+        if self._migrated:
+            return
+        async with self._migrating:
+            if not self._migrated:
+                await create_missing_tables(self._engine, self._tables)
+                self._migrated = True
+
+    def _insert(self, table: Table) -> postgresql.Insert | sqlite.Insert:
+        if self._dialect == "postgresql":
+            return postgresql.insert(table)
+        return sqlite.insert(table)
+
+
+class SqlLedger(SqlStore):
     """Causes and emission records in SQLite or PostgreSQL, one transaction per call.
 
     ``SqlLedger(engine)`` borrows an engine its caller disposes of; :meth:`from_url` builds and
@@ -134,16 +181,8 @@ class SqlLedger:
     """
 
     def __init__(self, engine: AsyncEngine, *, owns_engine: bool = False) -> None:
-        dialect = engine.dialect.name
-        if dialect not in SUPPORTED_DIALECTS:
-            raise ValueError(
-                f"the ledger stores into {' or '.join(sorted(SUPPORTED_DIALECTS))}, not {dialect}"
-            )
-        self._engine = engine
+        super().__init__(engine, metadata, refusal="the ledger stores")
         self._owns_engine = owns_engine
-        self._dialect = dialect
-        self._migrated = False
-        self._migrating = asyncio.Lock()
 
     @classmethod
     def from_url(cls, url: str, **engine_options: Any) -> Self:
@@ -199,8 +238,7 @@ class SqlLedger:
             return {}
         table = causes_table
         query = select(table.c.kind, table.c.key, *_CAUSE_COLUMNS).where(
-            table.c.tenant_id == workspace.tenant_id,
-            table.c.workspace_id == workspace.workspace_id,
+            in_workspace(table, workspace),
             or_(
                 *(
                     and_(table.c.kind == kind, table.c.key.in_(named))
@@ -222,11 +260,7 @@ class SqlLedger:
     async def emissions(self, workspace: WorkspaceKey, run_id: str) -> list[EmissionRecord]:
         query = (
             select(emissions_table.c.position, emissions_table.c.record)
-            .where(
-                emissions_table.c.tenant_id == workspace.tenant_id,
-                emissions_table.c.workspace_id == workspace.workspace_id,
-                emissions_table.c.run_id == run_id,
-            )
+            .where(in_workspace(emissions_table, workspace), emissions_table.c.run_id == run_id)
             .order_by(emissions_table.c.position)
         )
         async with self._transaction() as connection:
@@ -266,26 +300,10 @@ class SqlLedger:
             (self._insert_unless_present(emissions_table, _EMISSION_KEY), emissions),
         )
 
-    @asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[AsyncConnection]:
-        await self._ensure_tables()
-        async with self._engine.begin() as connection:
-            yield connection
-
-    async def _ensure_tables(self) -> None:
-        if self._migrated:
-            return
-        async with self._migrating:
-            if not self._migrated:
-                await migrate(self._engine)
-                self._migrated = True
-
     def _insert_unless_present(
         self, table: Table, key: Sequence[str]
     ) -> postgresql.Insert | sqlite.Insert:
-        if self._dialect == "postgresql":
-            return postgresql.insert(table).on_conflict_do_nothing(index_elements=key)
-        return sqlite.insert(table).on_conflict_do_nothing(index_elements=key)
+        return self._insert(table).on_conflict_do_nothing(index_elements=key)
 
 
 def _cause_row(record: CauseRecord) -> Mapping[str, Any]:
@@ -317,8 +335,7 @@ def _emission_row(record: EmissionRecord) -> Mapping[str, Any]:
 
 def _select_cause(workspace: WorkspaceKey, kind: WriteKind, key: str) -> Select[str, str, str, int]:
     return select(*_CAUSE_COLUMNS).where(
-        causes_table.c.tenant_id == workspace.tenant_id,
-        causes_table.c.workspace_id == workspace.workspace_id,
+        in_workspace(causes_table, workspace),
         causes_table.c.kind == kind,
         causes_table.c.key == key,
     )
