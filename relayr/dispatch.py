@@ -48,7 +48,7 @@ from relayr import broker, telemetry
 from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.core import reasons
 from relayr.evaluation import evaluate_all
-from relayr.follow.follower import Followers
+from relayr.ops import followers_of
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 
@@ -163,16 +163,7 @@ class Dispatcher:
         follow: bool = True,
     ) -> None:
         application = runtime.application
-        self._followers = (
-            Followers.of(
-                application,
-                runtime.bridge.ledger,
-                holder=runtime.holder,
-                lease_ttl_s=runtime.settings.lease_ttl_s,
-            )
-            if follow
-            else None
-        )
+        self._followers = followers_of(runtime) if follow else None
         self._rules = application.rules
         self._reactor = Reactor(
             application.rules,

@@ -409,8 +409,9 @@ async def skip(rules: Workspaces, targets: Sequence[RunRow], *, reason: str) -> 
 
 def followers_of(runtime: "Runtime") -> "Followers":
     """The followers of the runtime's application, holding leases as the runtime's process
-    (``relayr follow`` and the console's health page). artifactr is imported here, when called:
-    listing and changing runs loads reflexr alone (ADR-0050)."""
+    (``relayr follow``, the console's health page, and the dispatcher when it follows).
+    artifactr is imported here, when called: listing and changing runs loads reflexr alone
+    (ADR-0050)."""
     from relayr.follow.follower import Followers
 
     return Followers.of(
