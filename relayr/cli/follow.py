@@ -142,20 +142,7 @@ def dead_letters_list(workspace: str | None, everything: bool, as_json: bool) ->
 
         key = None if where is None else WorkspaceKey(where.tenant_id, where.workspace_id)
         letters = await followers_of(runtime).store.dead_letters(key, replayed=everything)
-        return [
-            {
-                "workspace": str(letter.workspace),
-                "envelope_id": letter.envelope_id,
-                "seq": letter.seq,
-                "event_type": letter.event_type,
-                "reason": letter.reason,
-                "error": letter.error,
-                "dead_at": letter.dead_at,
-                "tries": letter.tries,
-                "replayed_at": letter.replayed_at,
-            }
-            for letter in letters
-        ]
+        return [{"workspace": str(letter.workspace), **letter.details()} for letter in letters]
 
     rows = in_runtime(settings, work)
     if as_json:

@@ -65,6 +65,20 @@ class DeadLetter:
     tries: int = 1
     replayed_at: datetime | None = None
 
+    def details(self) -> dict[str, Any]:
+        """Every field but the workspace, by name, in order: what a row of the store holds, and
+        ``relayr follow dead-letters list`` prints, beside the workspace."""
+        return {
+            "envelope_id": self.envelope_id,
+            "seq": self.seq,
+            "event_type": self.event_type,
+            "reason": self.reason,
+            "error": self.error,
+            "dead_at": self.dead_at,
+            "tries": self.tries,
+            "replayed_at": self.replayed_at,
+        }
+
 
 @dataclass(frozen=True)
 class Position:
@@ -374,14 +388,7 @@ def _letter_row(letter: DeadLetter) -> dict[str, Any]:
     return {
         "tenant_id": letter.workspace.tenant_id,
         "workspace_id": letter.workspace.workspace_id,
-        "envelope_id": letter.envelope_id,
-        "seq": letter.seq,
-        "event_type": letter.event_type,
-        "reason": letter.reason,
-        "error": letter.error,
-        "dead_at": letter.dead_at,
-        "tries": letter.tries,
-        "replayed_at": letter.replayed_at,
+        **letter.details(),
     }
 
 
