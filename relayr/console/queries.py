@@ -8,7 +8,7 @@ before any storage is read. The filter's status names are the ones ops use (``de
 reflexr's status in :data:`STATUS_FILTERS`.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
@@ -65,10 +65,7 @@ def parse_duration(name: str, text: str) -> timedelta:
     Raises:
         BadQuery: Naming the parameter and the text, when it is not a duration.
     """
-    try:
-        return parsing.parse_duration(name, text)
-    except parsing.Unreadable as unreadable:
-        raise BadQuery(unreadable.message) from None
+    return _checked(parsing.parse_duration, name, text)
 
 
 def parse_id(name: str, text: str) -> str:
@@ -77,10 +74,7 @@ def parse_id(name: str, text: str) -> str:
     Raises:
         BadQuery: Naming the parameter and the text, when it is not an id.
     """
-    try:
-        return parsing.parse_id(name, text)
-    except parsing.Unreadable as unreadable:
-        raise BadQuery(unreadable.message) from None
+    return _checked(parsing.parse_id, name, text)
 
 
 def parse_workspace(name: str, text: str) -> WorkspaceKey:
@@ -89,8 +83,13 @@ def parse_workspace(name: str, text: str) -> WorkspaceKey:
     Raises:
         BadQuery: Naming the parameter and the text, when it is not two ids joined by ``/``.
     """
+    return WorkspaceKey(*_checked(parsing.parse_workspace, name, text))
+
+
+def _checked[T](parse: Callable[[str, str], T], name: str, text: str) -> T:
+    """``parse(name, text)``, one of :mod:`relayr.core.parsing`'s, its refusal a BadQuery."""
     try:
-        return WorkspaceKey(*parsing.parse_workspace(name, text))
+        return parse(name, text)
     except parsing.Unreadable as unreadable:
         raise BadQuery(unreadable.message) from None
 
