@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-import pytest
 from artifactr import UserActor
 from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.core import MessagePosted as ArtifactrMessagePosted
@@ -149,21 +148,6 @@ class World:
             if isinstance(envelope.event, ArtifactrMessagePosted)
             and envelope.actor.participant == f"external_agent:reflexr:{rule}"
         ]
-
-
-STORAGES: Final = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
-"""The storage a world's test runs on, for ``pytest.fixture(params=...)``."""
-
-
-def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The database URL of a test parametrized by :data:`STORAGES`."""
-    if request.param == "memory":
-        return "memory://"
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
-    url = request.getfixturevalue("postgres_url")
-    assert isinstance(url, str)
-    return url
 
 
 @asynccontextmanager

@@ -1,4 +1,5 @@
-"""Real services for tests: PostgreSQL and Redis on this machine, and free ports.
+"""Real services for tests: PostgreSQL and Redis on this machine, the storage a test runs on,
+and free ports.
 
 A test that needs a service skips when it is down and the tests run by hand, but fails when
 ``CI=true``: CI must never pass by testing nothing.
@@ -16,7 +17,8 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 
 import asyncpg
 import pytest
@@ -63,6 +65,26 @@ def require(service: str, host: str, port: int) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(message + " (CI=true: a service test may not skip)")
     pytest.skip(message)
+
+
+SQL_STORAGES: Final = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+"""The SQL storage a test runs on, for ``pytest.fixture(params=...)`` and indirect
+parametrization of a fixture that calls :func:`storage_url`."""
+
+STORAGES: Final = ["memory", *SQL_STORAGES]
+"""Every storage relayr runs on: reflexr's and artifactr's in-memory stores, then SQL."""
+
+
+def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The database URL of a fixture parametrized by :data:`STORAGES` (or
+    :data:`SQL_STORAGES`): PostgreSQL's is an empty database of the test's own."""
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
+    url = request.getfixturevalue("postgres_url")
+    assert isinstance(url, str)
+    return url
 
 
 def _admin_execute(sql: str) -> None:

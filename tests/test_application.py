@@ -45,6 +45,7 @@ from rules.example import (
     create_app,
     triage_agent,
 )
+from tests.services import SQL_STORAGES, STORAGES, storage_url
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWLIST = ROOT / "rules" / "allowlist.toml"
@@ -52,17 +53,9 @@ TENANT, WORKSPACE = "acme", "ops"
 ALICE = UserActor(id="alice")
 
 
-@pytest.fixture(
-    params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
-)
+@pytest.fixture(params=STORAGES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "memory":
-        return "memory://"
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
-    url = request.getfixturevalue("postgres_url")
-    assert isinstance(url, str)
-    return url
+    return storage_url(request, tmp_path)
 
 
 def settings_for(url: str, tmp_path: Path, **overrides: object) -> Settings:
@@ -154,9 +147,7 @@ async def test_rules_must_have_their_actions(factories: str) -> None:
 # -- storage -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "database_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
-)
+@pytest.mark.parametrize("database_url", SQL_STORAGES, indirect=True)
 async def test_both_libraries_share_one_migrated_database(
     database_url: str, tmp_path: Path
 ) -> None:
@@ -394,9 +385,7 @@ async def test_without_the_grant_a_triage_fails_and_writes_nothing(
 # -- turns across a worker's life: recovery at start, grace at shutdown ------------------------
 
 
-@pytest.mark.parametrize(
-    "database_url", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
-)
+@pytest.mark.parametrize("database_url", SQL_STORAGES, indirect=True)
 async def test_a_worker_takes_the_turns_asked_for_and_never_taken(
     database_url: str, tmp_path: Path
 ) -> None:

@@ -42,6 +42,7 @@ from relayr.ledger import WorkspaceKey
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tests.builders import Gates
+from tests.services import SQL_STORAGES, STORAGES, storage_url
 
 TENANT, WORKSPACE = "acme", "ops"
 REF = WorkspaceRef(TENANT, WORKSPACE)
@@ -255,24 +256,12 @@ class Harness:
         return self.engine
 
 
-@pytest.fixture(
-    params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
-)
+@pytest.fixture(params=STORAGES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "memory":
-        return "memory://"
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
-    url = request.getfixturevalue("postgres_url")
-    assert isinstance(url, str)
-    return url
+    return storage_url(request, tmp_path)
 
 
-SQL = pytest.mark.parametrize(
-    "database_url",
-    ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
-    indirect=True,
-)
+SQL = pytest.mark.parametrize("database_url", SQL_STORAGES, indirect=True)
 """For the tests of commits: in-memory storage commits nothing."""
 
 

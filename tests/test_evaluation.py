@@ -24,6 +24,7 @@ from relayr import evaluation
 from relayr.application import open_storage
 from relayr.evaluation import evaluate_all, evaluate_workspace
 from relayr.settings import Settings
+from tests.services import STORAGES, storage_url
 
 TENANT, WORKSPACE = "acme", "evals"
 REF = WorkspaceRef(TENANT, WORKSPACE)
@@ -100,15 +101,9 @@ async def _picture(rules: RuleWorkspaces) -> tuple[object, ...]:
     return runs, cursors, types
 
 
-@pytest.fixture(params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(params=STORAGES)
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "memory":
-        return "memory://"
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
-    found = request.getfixturevalue("postgres_url")
-    assert isinstance(found, str)
-    return found
+    return storage_url(request, tmp_path)
 
 
 @pytest.fixture

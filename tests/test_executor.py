@@ -35,6 +35,7 @@ from relayr.executor import Executed, execute_run, execute_runs, fail_run, is_tr
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tests.builders import Gates
+from tests.services import SQL_STORAGES, STORAGES, storage_url
 
 TENANT, WORKSPACE = "acme", "ops"
 REF = WorkspaceRef(TENANT, WORKSPACE)
@@ -191,17 +192,9 @@ class Harness:
         await self.runtime.aclose()
 
 
-@pytest.fixture(
-    params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
-)
+@pytest.fixture(params=STORAGES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "memory":
-        return "memory://"
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
-    url = request.getfixturevalue("postgres_url")
-    assert isinstance(url, str)
-    return url
+    return storage_url(request, tmp_path)
 
 
 @pytest.fixture
@@ -600,11 +593,7 @@ async def test_fail_run_of_a_missing_run(harness: Harness) -> None:
     assert executed.outcome == "missing"
 
 
-@pytest.mark.parametrize(
-    "database_url",
-    ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
-    indirect=True,
-)
+@pytest.mark.parametrize("database_url", SQL_STORAGES, indirect=True)
 async def test_a_successful_run_costs_three_transactions(harness: Harness) -> None:
     """Take the lease, claim, complete: a succeeded run's lease is left to lapse (ADR-0002)."""
     run_id = await harness.fire(Asked(mode="ok"))

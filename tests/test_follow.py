@@ -28,16 +28,8 @@ from relayr.follow.projections import PROJECTIONS, Projection, Source
 from relayr.follow.reports import CAUSE_MISSING, PROJECTION_FAILED
 from relayr.ledger.port import WorkspaceKey
 from tests.follow_app import MAX_DEPTH, Asked, Looped
-from tests.follow_world import (
-    KEY,
-    PERSON,
-    STORAGES,
-    TENANT,
-    WORKSPACE,
-    World,
-    opened,
-    storage_url,
-)
+from tests.follow_world import KEY, PERSON, TENANT, WORKSPACE, World, opened
+from tests.services import STORAGES, storage_url
 
 BRIDGED_BY_A_QUESTION_AND_THANKS = 6
 """What :class:`Asked` and a person's reply bridge: the rule's question, the agent's answer, its
@@ -45,13 +37,8 @@ turn's end, the two notices the rules post about them, and the person's message.
 
 
 @pytest.fixture(params=STORAGES)
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return storage_url(request, tmp_path)
-
-
-@pytest.fixture
-async def world(database_url: str, tmp_path: Path) -> AsyncIterator[World]:
-    async with opened(database_url, tmp_path) as world:
+async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[World]:
+    async with opened(storage_url(request, tmp_path), tmp_path) as world:
         yield world
 
 

@@ -27,17 +27,13 @@ from tests.follow_app import (
     FollowPlan,
     Noted,
 )
-from tests.follow_world import KEY, PERSON, STORAGES, World, opened, storage_url
+from tests.follow_world import KEY, PERSON, World, opened
+from tests.services import STORAGES, storage_url
 
 
 @pytest.fixture(params=STORAGES)
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return storage_url(request, tmp_path)
-
-
-@pytest.fixture
-async def world(database_url: str, tmp_path: Path) -> AsyncIterator[World]:
-    async with opened(database_url, tmp_path) as world:
+async def world(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[World]:
+    async with opened(storage_url(request, tmp_path), tmp_path) as world:
         yield world
 
 
