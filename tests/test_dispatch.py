@@ -9,6 +9,7 @@ the test says, not when a second has passed.
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from relayr.executor import execute_run, execute_runs
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tests.builders import Gates
+from tests.services import STORAGES, storage_url
 
 TENANT, WORKSPACE = "acme", "ops"
 REF = WorkspaceRef(TENANT, WORKSPACE)
@@ -142,33 +144,20 @@ class Harness:
         return {r.id: r.status for r in await source.runs(limit=1000)}
 
 
-@pytest.fixture(
-    params=["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
-)
+@pytest.fixture(params=STORAGES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "memory":
-        return "memory://"
-    if request.param == "sqlite":
-        return f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
-    url = request.getfixturevalue("postgres_url")
-    assert isinstance(url, str)
-    return url
+    return storage_url(request, tmp_path)
 
 
-@pytest.fixture
-async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
-    settings = Settings(
-        home=tmp_path,
-        database_url=database_url,
-        requeue_after_s=REQUEUE_AFTER_S,
-        dispatch_interval_s=0.05,
-        turn_grace_s=0,
-    )
+@asynccontextmanager
+async def opened(settings: Settings, rules: list[Rule]) -> AsyncIterator[Harness]:
+    """A dispatcher's runtime on ``settings``' storage, running ``rules`` on the test's clock;
+    closed after the block."""
     storage = await open_storage(settings)
     later = Later()
     application = Application(
         artifacts=ArtifactWorkspaces(storage.artifacts),
-        rules=RuleWorkspaces(storage.rules, events=[Ping, Step], rules=RULES, clock=later),
+        rules=RuleWorkspaces(storage.rules, events=[Ping, Step], rules=rules, clock=later),
         actions={"act": act},
         app_deps=Gates(),
         engines=storage.engines,
@@ -180,6 +169,19 @@ async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
         yield Harness(runtime, later)
     finally:
         await runtime.aclose()
+
+
+@pytest.fixture
+async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
+    settings = Settings(
+        home=tmp_path,
+        database_url=database_url,
+        requeue_after_s=REQUEUE_AFTER_S,
+        dispatch_interval_s=0.05,
+        turn_grace_s=0,
+    )
+    async with opened(settings, RULES) as harness:
+        yield harness
 
 
 async def test_each_due_run_is_enqueued_once(harness: Harness) -> None:
@@ -469,22 +471,8 @@ async def unordered(tmp_path: Path) -> AsyncIterator[Harness]:
         requeue_after_s=REQUEUE_AFTER_S,
         turn_grace_s=0,
     )
-    storage = await open_storage(settings)
-    later = Later()
-    application = Application(
-        artifacts=ArtifactWorkspaces(storage.artifacts),
-        rules=RuleWorkspaces(storage.rules, events=[Ping, Step], rules=RULES[:1], clock=later),
-        actions={"act": act},
-        app_deps=Gates(),
-        engines=storage.engines,
-    )
-    runtime = await Runtime.start(
-        settings, role="dispatcher", application=application, allowlists=Allowlists.empty
-    )
-    try:
-        yield Harness(runtime, later)
-    finally:
-        await runtime.aclose()
+    async with opened(settings, RULES[:1]) as harness:
+        yield harness
 
 
 async def test_runs_it_fired_are_enqueued_without_reading_every_due_run(
