@@ -16,7 +16,7 @@ PostgreSQL), each with the test that failed before its fix:
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import pytest
 from artifactr import Artifact, WritePolicy
@@ -27,13 +27,15 @@ from artifactr.workspace import InMemoryStorage as ArtifactMemory
 from reflexr.workspace import RunFailure
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from relayr.actions import RunActions
 from relayr.core.allowlist_toml import parse_allowlist
 from relayr.follow.events import ArtifactChanged, ProposalCreated
 from relayr.ledger.port import revision_key
 from tests.follow_app import FollowPlan, Noted
 from tests.follow_world import KEY as WORLD_KEY
 from tests.follow_world import PERSON as WORLD_PERSON
-from tests.follow_world import STORAGES, World, opened, storage_url
+from tests.follow_world import World, opened
+from tests.services import STORAGES, storage_url
 from tests.test_actions import ALLOWLIST, KEY, TENANT, WORKSPACE, Harness, Note
 from tests.test_outbound_defects import Down
 
@@ -126,8 +128,16 @@ async def test_a_direct_create_of_a_kind_that_takes_proposals_returns_its_propos
     assert await harness.ledger.cause(KEY, "revision", revision_key(artifact_id, 1)) is None
 
 
-async def test_a_retried_direct_edit_of_a_kind_that_takes_proposals_finds_its_proposal(
-    harness: GatedHarness,
+DIRECT_CHANGES: Final[dict[str, Callable[[RunActions, str], Awaitable[str | None]]]] = {
+    "edit": lambda actions, plan: actions.edit(plan, "/text", "# plan v2"),
+    "archive": lambda actions, plan: actions.archive(plan),
+}
+"""A direct change of an existing artifact, as a rule's action makes it."""
+
+
+@pytest.mark.parametrize("change", DIRECT_CHANGES)
+async def test_a_retried_direct_change_of_a_kind_that_takes_proposals_finds_its_proposal(
+    harness: GatedHarness, change: str
 ) -> None:
     thread = await harness.thread()
     handle = await person(harness)
@@ -136,7 +146,7 @@ async def test_a_retried_direct_edit_of_a_kind_that_takes_proposals_finds_its_pr
     made = []
     for attempt in (1, 2):
         actions = await harness.attempt(RULE, thread, attempt)
-        made.append(await actions.edit(plan, "/text", "# plan v2"))
+        made.append(await DIRECT_CHANGES[change](actions, plan))
 
     assert made[0] is not None
     assert made[0].startswith("prp_")
@@ -144,25 +154,6 @@ async def test_a_retried_direct_edit_of_a_kind_that_takes_proposals_finds_its_pr
     assert [p.id for p in await handle.proposals()] == [made[0]]
     current = await handle.artifact(plan)
     assert (current.version, current.archived) == (1, False)
-    assert await harness.ledger.cause(KEY, "revision", revision_key(plan, 2)) is None
-
-
-async def test_a_retried_direct_archive_of_a_kind_that_takes_proposals_finds_its_proposal(
-    harness: GatedHarness,
-) -> None:
-    thread = await harness.thread()
-    handle = await person(harness)
-    plan = (await handle.create(OutcomePlan(text="# plan"))).artifact_id
-
-    made = []
-    for attempt in (1, 2):
-        actions = await harness.attempt(RULE, thread, attempt)
-        made.append(await actions.archive(plan))
-
-    assert made[0] is not None
-    assert made[0].startswith("prp_")
-    assert made[1] == made[0]
-    assert not (await handle.artifact(plan)).archived
     assert await harness.ledger.cause(KEY, "revision", revision_key(plan, 2)) is None
 
 
