@@ -40,6 +40,7 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelRequest, ModelResponse, TextPart, UserPromptPart
 from pydantic_ai.models.function import AgentInfo
 from reflexr import Event, F, RetryPolicy, Rule, on, run
+from reflexr.core import Condition
 from reflexr.workspace import Reaction
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
@@ -137,78 +138,36 @@ class FollowPlan(FollowCounter):
 
 RETRY: Final = RetryPolicy(max_attempts=5)
 
-ASK = Rule(
-    name="follow:ask",
-    when=on(Asked),
-    then=run("ask"),
-    ordering="none",
-    start="beginning",
-    retry=RETRY,
-)
 
-ANSWERED = Rule(
-    name="follow:answered",
-    when=on(MessagePosted).where(F.author.matches(r"^agent:"), F.kind.eq("message")),
-    then=run("answered"),
-    ordering="none",
-    start="beginning",
-    retry=RETRY,
-)
+def answering(name: str, when: Condition, action: str) -> Rule:
+    """A rule that answers every event ``when`` matches, from the log's beginning, in no order
+    (each answer stands alone), retried by :data:`RETRY`."""
+    return Rule(
+        name=name, when=when, then=run(action), ordering="none", start="beginning", retry=RETRY
+    )
 
-TURN_ENDED = Rule(
-    name="follow:turn-ended",
-    when=on(TurnEnded),
-    then=run("turn_ended"),
-    ordering="none",
-    start="beginning",
-    retry=RETRY,
-)
 
-LOOP_START = Rule(
-    name="loop:start",
-    when=on(Looped),
-    then=run("echo"),
-    ordering="none",
-    start="beginning",
-    retry=RETRY,
+ASK = answering("follow:ask", on(Asked), "ask")
+ANSWERED = answering(
+    "follow:answered",
+    on(MessagePosted).where(F.author.matches(r"^agent:"), F.kind.eq("message")),
+    "answered",
 )
-
-ECHO = Rule(
-    name="loop:echo",
-    when=on(MessagePosted).where(F.author.matches(r"^external_agent:reflexr:loop:")),
-    then=run("echo"),
-    ordering="none",
-    start="beginning",
-    retry=RETRY,
+TURN_ENDED = answering("follow:turn-ended", on(TurnEnded), "turn_ended")
+LOOP_START = answering("loop:start", on(Looped), "echo")
+ECHO = answering(
+    "loop:echo",
+    on(MessagePosted).where(F.author.matches(r"^external_agent:reflexr:loop:")),
+    "echo",
 )
-
-NOTE = Rule(
-    name="edit:note",
-    when=on(Noted),
-    then=run("note"),
-    ordering="none",
-    start="beginning",
-    retry=RETRY,
-)
-
-COUNT = Rule(
-    name="loop:count",
-    when=on(Counted),
-    then=run("count"),
-    ordering="none",
-    start="beginning",
-    retry=RETRY,
-)
-
-RECOUNT = Rule(
-    name="loop:recount",
-    when=on(ArtifactChanged).where(
+NOTE = answering("edit:note", on(Noted), "note")
+COUNT = answering("loop:count", on(Counted), "count")
+RECOUNT = answering(
+    "loop:recount",
+    on(ArtifactChanged).where(
         F.author.matches(r"^external_agent:reflexr:loop:"), F.artifact_kind.eq("follow_counter")
     ),
-    then=run("recount"),
-    ordering="none",
-    start="beginning",
-    retry=RETRY,
+    "recount",
 )
 
 RULES: Final = (ASK, ANSWERED, TURN_ENDED, LOOP_START, ECHO, NOTE, COUNT, RECOUNT)
