@@ -13,7 +13,8 @@ helpers here decide, where relayr's own work begins, which trace it continues:
   is a child of their trace when they share one, and otherwise starts a trace of its own
   with a link to each (:func:`joining`); the run's own span is then still a child of its
   event's trace, linked to the message's (ADR-0080 says why: a message is shared, a run is
-  not).
+  not). Between the evaluation that fires a run and the pass that enqueues it, the dispatcher
+  keeps the trace the run continues in :mod:`relayr.firing_traces`.
 
 Tracing is off unless the settings turn it on (``RELAYR_OTEL``, ``OTEL_EXPORTER_OTLP_ENDPOINT``):
 :mod:`relayr.otel` configures the SDK and calls :func:`enable`. Off, every helper returns at
@@ -27,9 +28,7 @@ a search finds relayr's spans beside reflexr's; artifactr's are artifactr's.
 """
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Coroutine, Iterable, Iterator, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from opentelemetry import context as otel_context
@@ -45,6 +44,8 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
+
+from relayr.firing_traces import Evaluation, TracedRun, firings
 
 SCOPE: Final = "relayr"
 """The instrumentation scope of relayr's spans."""
@@ -86,11 +87,6 @@ MAX_LINKS: Final = 32
 """How many traces a span joining several links to at most: a burst evaluated at once may hold
 hundreds of events, each its own trace; the first ones show the shape, and each run's own span
 still continues its event's trace."""
-
-REMEMBERED_FIRINGS: Final = 10_000
-"""How many runs' trace contexts the dispatcher keeps between the evaluation that fired them and
-the pass that enqueues them. A run forgotten (a backlog deeper than this) is still traced in
-the worker, as a child of its event's envelope; only the dispatcher's enqueue span loses it."""
 
 _W3C: Final = TraceContextTextMapPropagator()
 
@@ -261,29 +257,6 @@ def current_context() -> SpanContext | None:
     return found if found.is_valid else None
 
 
-class FiringTraces:
-    """The trace context each run fired in, from the evaluation that fired it to the pass
-    that enqueues it, in one dispatcher process; bounded (:data:`REMEMBERED_FIRINGS`)."""
-
-    def __init__(self, limit: int = REMEMBERED_FIRINGS) -> None:
-        self._limit = limit
-        self._contexts: MutableMapping[str, SpanContext] = OrderedDict()
-
-    def fired(self, run_id: str, found: SpanContext | None) -> None:
-        if found is None:
-            return
-        self._contexts[run_id] = found
-        while len(self._contexts) > self._limit:
-            self._contexts.pop(next(iter(self._contexts)))
-
-    def take(self, run_id: str) -> SpanContext | None:
-        return self._contexts.pop(run_id, None)
-
-
-firings: Final = FiringTraces()
-"""This process's :class:`FiringTraces` (the dispatcher's)."""
-
-
 class _Envelope(Protocol):
     """What relayr reads of a reflexr or artifactr envelope to continue its trace."""
 
@@ -294,49 +267,8 @@ class _Envelope(Protocol):
     def traceparent(self) -> str | None: ...
 
 
-class _Run(Protocol):
-    """What relayr reads of a reflexr run to trace it."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def fired_seq(self) -> int: ...
-
-    @property
-    def attempts(self) -> int: ...
-
-    @property
-    def epoch(self) -> int: ...
-
-
 def _workspace(tenant_id: str, workspace_id: str) -> dict[str, AttributeValue]:
     return {TENANT_ID: tenant_id, WORKSPACE_ID: workspace_id}
-
-
-@dataclass
-class Evaluation:
-    """What an evaluation's span lends the facts and runs it makes.
-
-    Attributes:
-        traceparent: The evaluation span's, for the facts it appends (None: untraced).
-    """
-
-    traceparent: str | None = None
-    own: SpanContext | None = None
-    events: dict[int, SpanContext] = field(default_factory=dict)
-    count: int = 0
-
-    def fired(self, runs: Iterable[_Run]) -> None:
-        """Remember the trace each run continues until the dispatcher enqueues it: the
-        evaluation's when that is its event's trace, else its event's (:data:`firings`)."""
-        if self.own is None:
-            return
-        for run in runs:
-            self.count += 1
-            event = self.events.get(run.fired_seq)
-            own = event is None or event.trace_id == self.own.trace_id
-            firings.fired(run.id, self.own if own else event)
 
 
 _UNTRACED: Final = Evaluation()
@@ -382,7 +314,7 @@ def enqueuing(
 
 
 def run_span(
-    tenant_id: str, workspace_id: str, run: _Run, rule: str, events: Sequence[_Envelope]
+    tenant_id: str, workspace_id: str, run: TracedRun, rule: str, events: Sequence[_Envelope]
 ) -> Span | None:
     """Start the span of one run's attempt, ``relayr.run <rule>``: a child of the message's
     span when the message is in the trace of the event that fired the run, else a child of

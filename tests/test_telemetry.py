@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, NonRecordingSpan, SpanContext, TraceFlags
 from reflexr.telemetry import attributes as reflexr_attributes
 
-from relayr import telemetry
+from relayr import firing_traces, telemetry
 
 
 def context(trace_id: int, span_id: int) -> SpanContext:
@@ -114,7 +114,7 @@ def test_tracing_off_parses_and_starts_nothing() -> None:
     with telemetry.evaluating("t", "w", [Envelope(1, traceparent(A1))]) as evaluation:
         assert evaluation.traceparent is None
         evaluation.fired([Run("fir_1", 1)])
-    assert telemetry.firings.take("fir_1") is None
+    assert firing_traces.firings.take("fir_1") is None
 
 
 def test_an_envelope_s_traceparent_is_read_when_tracing(on: None) -> None:
@@ -129,12 +129,12 @@ def test_an_evaluation_of_one_trace_hands_it_to_the_runs_it_fired(on: None) -> N
         assert evaluation.traceparent == traceparent(A1)
         evaluation.fired([Run("fir_1", 1), Run("fir_2", 2)])
 
-    assert (telemetry.firings.take("fir_1"), telemetry.firings.take("fir_2")) == (A1, A1)
-    assert telemetry.firings.take("fir_1") is None  # taken once, by the message's enqueue
+    assert (firing_traces.firings.take("fir_1"), firing_traces.firings.take("fir_2")) == (A1, A1)
+    assert firing_traces.firings.take("fir_1") is None  # taken once, by the message's enqueue
 
 
 def test_remembered_firings_are_bounded() -> None:
-    firings = telemetry.FiringTraces(limit=2)
+    firings = firing_traces.FiringTraces(limit=2)
     for run_id, found in (("r1", A1), ("r2", A2), ("r3", B1)):
         firings.fired(run_id, found)
 
