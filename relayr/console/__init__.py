@@ -6,9 +6,11 @@ by default; with ``RELAYR_CONSOLE_TOKEN`` set, a logged-in person can retry, can
 runs, and retry the dead runs of a filter after a preview, each exactly as ``relayr runs``
 does (ADR-0070).
 
-- :mod:`relayr.console.app`: the Starlette app, its routes and templates;
+- :mod:`relayr.console.app`: the Starlette app and its routes; :mod:`relayr.console.rendering`:
+  its templates;
 - :mod:`relayr.console.reads`: what the pages show; :mod:`relayr.console.actions`: what the
   buttons do; :mod:`relayr.console.queries`: what a URL may ask for;
+  :mod:`relayr.console.forms`: what a form may name;
 - :mod:`relayr.console.security`: token, session, CSRF, host and response headers.
 
 Importing this package imports nothing: ``relayr console`` (:mod:`relayr.cli.console`) loads

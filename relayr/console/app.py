@@ -6,8 +6,9 @@ its own: ADR-0004), the enqueue ``relayr runs retry`` uses, the host names it an
 whether it is reached over HTTPS.
 Pages read (:mod:`relayr.console.reads`); actions change runs (:mod:`relayr.console.actions`)
 only for a logged-in session and only by a POST carrying its CSRF token
-(:mod:`relayr.console.security`, ADR-0070). Templates are Jinja2 with autoescape on, so nothing
-stored is ever rendered as markup; the pages carry no script.
+(:mod:`relayr.console.security`, ADR-0070), its fields checked first
+(:mod:`relayr.console.forms`). Templates are Jinja2 with autoescape on, so nothing stored is
+ever rendered as markup; the pages carry no script (:mod:`relayr.console.rendering`).
 
 Pages:
 
@@ -24,11 +25,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Final
-from urllib.parse import urlsplit
 
-import jinja2
 import structlog
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
@@ -40,24 +38,23 @@ from starlette.responses import HTMLResponse, PlainTextResponse, RedirectRespons
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from relayr.core.parsing import ID_PATTERN
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops import AmbiguousRun, Done, EnqueueRun, not_enqueued
 from relayr.runtime import Runtime
 from relayr.settings import redact
-from relayr.transcript import marker
 
 from . import actions, reads
-from .queries import (
-    PAGE_SIZE,
-    STATUS_FILTERS,
-    STATUS_HELP,
-    BadQuery,
-    RunQuery,
-    href,
-    parse_id,
-    parse_workspace,
+from .forms import (
+    MAX_FIELD_BYTES,
+    MAX_FORM_FIELDS,
+    next_path,
+    reason_of,
+    run_named,
+    run_ref,
+    text,
 )
+from .queries import BadQuery, RunQuery, href, parse_id, parse_workspace
+from .rendering import STATIC, templates
 from .security import (
     CSRF_FIELD,
     LOGGED_IN_AT,
@@ -72,21 +69,8 @@ from .security import (
     session_secret,
 )
 
-HERE: Final = Path(__file__).resolve().parent
-TEMPLATES: Final = HERE / "templates"
-STATIC: Final = HERE / "static"
-
 READ_ONLY: Final = "this console is read-only: RELAYR_CONSOLE_TOKEN is not set"
 """Why every POST is refused when the console has no token."""
-
-MAX_FORM_FIELDS: Final = actions.BULK_RETRY_MAX + 16
-"""The most fields a form may carry: a bulk retry's runs and a few more."""
-
-MAX_FIELD_BYTES: Final = 16 * 1024
-"""The largest field a form may carry: a reason, a token, an id; nothing needs more."""
-
-MAX_REASON_CHARS: Final = 500
-"""The longest reason a cancel or skip records."""
 
 logger = structlog.get_logger("relayr.console")
 
@@ -116,45 +100,6 @@ class Console:
     def token(self) -> str | None:
         secret = self.runtime.settings.console_token
         return None if secret is None else secret.get_secret_value()
-
-
-def templates() -> jinja2.Environment:
-    """The console's templates: autoescape always on, a missing variable an error."""
-    environment = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATES),
-        autoescape=True,
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    environment.globals.update(
-        href=href,
-        marker=marker,
-        STATUS_FILTERS=STATUS_FILTERS,
-        STATUS_HELP=STATUS_HELP,
-        PAGE_SIZE=PAGE_SIZE,
-        TURN_ADVICE=reads.TURN_ADVICE,
-        SESSION_HOURS=SESSION_MAX_AGE_S // 3600,
-    )
-    environment.filters["age"] = age
-    environment.filters["when"] = when
-    return environment
-
-
-def age(then: datetime, now: datetime) -> str:
-    """How long ago ``then`` was, in the largest whole unit: ``45 s``, ``12 min``, ``3 h``."""
-    seconds = max(int((now - then).total_seconds()), 0)
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds // size} {unit}"
-    return f"{seconds} s"
-
-
-def when(moment: datetime | None) -> str:
-    """A moment in UTC, to the second; ``-`` for none."""
-    if moment is None:
-        return "-"
-    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def create_app(console: Console) -> Starlette:
@@ -440,69 +385,8 @@ def create_app(console: Console) -> Starlette:
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
 
 
-def text(form: FormData, name: str) -> str:
-    """A form's text field, or empty."""
-    value = form.get(name)
-    return value if isinstance(value, str) else ""
-
-
-def run_named(params: Any) -> tuple[str, WorkspaceKey | None]:
-    """The run a page or form names: ``id``, and ``workspace`` when given.
-
-    Raises:
-        BadQuery: When either is malformed.
-    """
-    run_id = parse_id("id", params.get("id") or "")
-    where = params.get("workspace") or None
-    return run_id, None if where is None else parse_workspace("workspace", where)
-
-
 def run_link(run_id: str, workspace: WorkspaceKey | None) -> str:
     return href("/run", {"id": run_id, "workspace": workspace})
-
-
-def run_ref(value: str) -> actions.RunRef:
-    """``TENANT/WORKSPACE/RUN``, as a confirmation names a run.
-
-    Raises:
-        BadQuery: When it is not three ids joined by ``/``.
-    """
-    parts = value.split("/")
-    if len(parts) != 3 or not all(ID_PATTERN.fullmatch(part) for part in parts):
-        raise BadQuery(f"run {value!r} is malformed: expected TENANT/WORKSPACE/RUN")
-    return actions.RunRef(WorkspaceKey(parts[0], parts[1]), parts[2])
-
-
-def reason_of(form: FormData, *, default: str | None) -> str:
-    """A cancel's or skip's reason; a skip must give one, as ``relayr runs skip`` must.
-
-    Raises:
-        BadQuery: When it is missing without a default, or too long.
-    """
-    reason = text(form, "reason").strip() or default
-    if reason is None:
-        raise BadQuery("reason is required: say why the run will not run")
-    if len(reason) > MAX_REASON_CHARS:
-        raise BadQuery(f"reason is longer than {MAX_REASON_CHARS} characters")
-    return reason
-
-
-def next_path(value: str | None) -> str:
-    """Where to go after logging in: a path of this console only, never another site.
-
-    Browsers drop tabs and line breaks from a URL and read a backslash as a slash, so ``/``, a
-    tab, ``/evil.example`` would lead to ``//evil.example``, another site. So the path must start
-    with one slash, hold no backslash, no space and no control character, and have neither a
-    scheme nor a host; anything else is ``/runs``.
-    """
-    if not value or any(ord(character) <= 0x20 or ord(character) == 0x7F for character in value):
-        return "/runs"
-    if "\\" in value or not value.startswith("/") or value.startswith("//"):
-        return "/runs"
-    parts = urlsplit(value)
-    if parts.scheme or parts.netloc:
-        return "/runs"
-    return value
 
 
 def client(request: Request) -> str:
