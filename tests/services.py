@@ -2,7 +2,8 @@
 and free ports.
 
 A test that needs a service skips when it is down and the tests run by hand, but fails when
-``CI=true``: CI must never pass by testing nothing.
+``CI=true``: CI must never pass by testing nothing. So does a test that needs a program
+(:func:`require_program`), such as ``redis-server`` for a Redis of the test's own.
 
 Tests share the machine's Redis, each on a queue of its own (:mod:`tests.workers`), and leave it
 as they found it: :func:`forgetting_redis_queue` removes every key kombu and relayr made for a
@@ -12,6 +13,7 @@ test's queue, however the test ended.
 import asyncio
 import json
 import os
+import shutil
 import socket
 import uuid
 from collections.abc import Iterator
@@ -59,9 +61,17 @@ def reachable(host: str, port: int) -> bool:
 
 
 def require(service: str, host: str, port: int) -> None:
-    if reachable(host, port):
-        return
-    message = f"{service} is not reachable at {host}:{port}"
+    if not reachable(host, port):
+        _missing(f"{service} is not reachable at {host}:{port}")
+
+
+def require_program(name: str) -> None:
+    """Skip (by hand) or fail (``CI=true``) when the program ``name`` is not on the PATH."""
+    if shutil.which(name) is None:
+        _missing(f"{name} is not installed")
+
+
+def _missing(message: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(message + " (CI=true: a service test may not skip)")
     pytest.skip(message)

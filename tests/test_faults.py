@@ -18,7 +18,7 @@ the pool kills.
 
 import asyncio
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from tests.faults.breaks import (
 from tests.faults.checker import Report
 from tests.faults.constants import FAULT_SETTINGS, FULL_LOAD_VARIABLE
 from tests.faults.load import Fault, load_plan, run_load
-from tests.faults.private_redis import PrivateRedis, private_redis
+from tests.faults.private_redis import PrivateRedis
 from tests.workers import relayr_environment
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
@@ -53,12 +53,6 @@ LOAD_TIMEOUT_S = 900.0 if FULL else 300.0
 """How long the runs of a scenario may take to end."""
 
 SEED = int(os.environ.get("FAULTS_SEED", "20261130"))
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[PrivateRedis]:
-    with private_redis(tmp_path / "redis") as server:
-        yield server
 
 
 def environment(home: Path, server: PrivateRedis, **settings: object) -> dict[str, str]:

@@ -1,13 +1,13 @@
 """``relayr health``: heartbeats, broker and database checks, as a probe runs them.
 
 The command runs as a real process, as Kubernetes and compose run it, against a Redis server of
-the test's own (started, stopped and started again on one port), PostgreSQL, a server that
-accepts connections and never answers, and a real prefork worker kept busy.
+the test's own (:mod:`tests.faults.private_redis`: started, stopped and started again on one
+port), PostgreSQL, a server that accepts connections and never answers, and a real prefork
+worker kept busy.
 """
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +29,8 @@ from relayr.health import (
     redact,
     touch_heartbeat,
 )
+from tests.faults.private_redis import PrivateRedis
+from tests.services import free_port
 from tests.test_metrics import probe_worker
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,96 +82,6 @@ def health(environment: dict[str, str], *args: str, module: str = "relayr.cli") 
         check=False,
     )
     return Ran(done.returncode, done.stdout + done.stderr, time.monotonic() - started)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@dataclass
-class RedisServer:
-    """A redis-server of this test's own, on a fixed port, that can be stopped and restarted."""
-
-    port: int
-    folder: Path
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        subprocess.run(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--daemonize",
-                "yes",
-                "--dir",
-                str(self.folder),
-                "--pidfile",
-                str(self.folder / "redis.pid"),
-                "--logfile",
-                str(self.folder / "redis.log"),
-            ],
-            check=True,
-        )
-        deadline = time.monotonic() + 10
-        while not self.answers():
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-
-    def answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as connection:
-                connection.sendall(b"PING\r\n")
-                return connection.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        pidfile = self.folder / "redis.pid"
-        if not pidfile.exists():
-            return
-        pid = int(pidfile.read_text())
-        os.kill(pid, 15)
-        deadline = time.monotonic() + 10
-        while self.answers() or _alive(pid):
-            assert time.monotonic() < deadline, "redis-server did not stop"
-            time.sleep(0.05)
-        pidfile.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("redis-server is not installed (CI=true: a service test may not skip)")
-        pytest.skip("redis-server is not installed")
-    folder = tmp_path / "redis"
-    folder.mkdir()
-    server = RedisServer(free_port(), folder)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -261,21 +173,21 @@ def test_a_report_names_every_failure() -> None:
 
 @pytest.mark.redis
 def test_health_fails_while_redis_is_down_and_passes_when_it_is_back(
-    tmp_path: Path, own_redis: RedisServer
+    tmp_path: Path, redis_server: PrivateRedis
 ) -> None:
-    environment = health_environment(tmp_path, broker_url=own_redis.url)
+    environment = health_environment(tmp_path, broker_url=redis_server.url)
     up = health(environment, "--timeout", "2")
     assert up.code == 0, up.output
     assert "broker: redis://127.0.0.1" in up.output
     assert "answered PING" in up.output
 
-    own_redis.stop()
+    redis_server.stop()
     down = health(environment, "--timeout", "2")
     assert down.code == 1, down.output
-    assert f"cannot reach redis://127.0.0.1:{own_redis.port}/0" in down.output
+    assert f"cannot reach redis://127.0.0.1:{redis_server.port}/0" in down.output
     assert down.elapsed_s < 2 + STARTUP_ALLOWANCE_S
 
-    own_redis.start()
+    redis_server.restart()
     back = health(environment, "--timeout", "2")
     assert back.code == 0, back.output
 
