@@ -13,8 +13,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +20,16 @@ import pytest
 from click.testing import CliRunner
 
 from relayr.cli import cli
-from relayr.cli.processes import RelayrProcess, relayr_command
 from tests.ops_app import CRASH_CONTENT, FIXED
-from tests.workers import REPO, relayr_environment, running_worker
+from tests.services import forgetting_redis_queue
+from tests.workers import (
+    REPO,
+    log_records,
+    relayr_environment,
+    running_dispatcher,
+    running_worker,
+    until,
+)
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
@@ -52,29 +57,6 @@ def relayr(environment: dict[str, str], *args: str, check: bool = True) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else None
 
 
-@contextmanager
-def dispatching(environment: dict[str, str], log_dir: Path) -> Iterator[Path]:
-    """``relayr dispatch`` for the duration of the block; its log file is yielded."""
-    log_path = log_dir / "dispatcher.log"
-    process = RelayrProcess.start(
-        relayr_command("dispatch"), environment=environment, cwd=REPO, log_path=log_path
-    )
-    try:
-        yield log_path
-    finally:
-        process.stop(30)
-
-
-def until[T](probe: Callable[[], T | None], what: str, timeout_s: float = WAIT_S) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = probe()
-        if found:
-            return found
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def runs(environment: dict[str, str], *filters: str) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = relayr(
         environment, "runs", "list", "--workspace", WHERE, *filters
@@ -87,7 +69,7 @@ def ended(environment: dict[str, str], rule: str, status: str, count: int = 1) -
         found = runs(environment, "--rule", rule, "--status", status)
         return found if len(found) >= count else None
 
-    return until(probe, f"{count} {status} run(s) of {rule}")
+    return until(f"{count} {status} run(s) of {rule}", probe, timeout_s=WAIT_S)
 
 
 def by(author: str, transcript: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -113,7 +95,7 @@ def test_a_a_dead_run_retried_by_ops_posts_exactly_one_notice(
     environment: dict[str, str], tmp_path: Path
 ) -> None:
     thread = relayr(environment, "thread", "create", WHERE, "--title", "backups")["id"]
-    with running_worker(environment, tmp_path), dispatching(environment, tmp_path):
+    with running_worker(environment, tmp_path), running_dispatcher(environment, tmp_path):
         relayr(
             environment,
             "publish",
@@ -149,7 +131,11 @@ def test_b_a_send_killed_between_commit_and_ask_gets_one_message_and_one_turn(
 ) -> None:
     environment = {**environment, "RELAYR_BROKER_URL": redis_url}
     thread = relayr(environment, "thread", "create", WHERE, "--title", "incident")["id"]
-    with running_worker(environment, tmp_path) as worker, dispatching(environment, tmp_path):
+    with (
+        forgetting_redis_queue(environment["RELAYR_QUEUE"], url=redis_url),
+        running_worker(environment, tmp_path) as worker,
+        running_dispatcher(environment, tmp_path),
+    ):
         relayr(
             environment, "publish", WHERE, "opsw:lost", "--data", json.dumps({"thread_id": thread})
         )
@@ -164,7 +150,7 @@ def test_b_a_send_killed_between_commit_and_ask_gets_one_message_and_one_turn(
             done = [t for t in report["turns"] if t["status"] == "completed"]
             return report["turns"] if done else None
 
-        turns = until(turned, "the retried send's turn to complete")
+        turns = until("the retried send's turn to complete", turned, worker, timeout_s=WAIT_S)
         assert worker.alive()
 
     transcript = relayr(environment, "thread", "show", WHERE, thread)
@@ -201,7 +187,7 @@ def test_d_revoking_turns_stops_the_next_send_and_a_broken_file_changes_nothing(
         data = json.dumps({"title": title, "thread_id": thread})
         relayr(environment, "publish", WHERE, "incident:opened", "--data", data)
 
-    with running_worker(environment, tmp_path) as worker, dispatching(environment, tmp_path):
+    with running_worker(environment, tmp_path) as worker, running_dispatcher(environment, tmp_path):
         incident("first")
         ended(environment, "ops:incident-triage", "succeeded", 1)
 
@@ -209,9 +195,7 @@ def test_d_revoking_turns_stops_the_next_send_and_a_broken_file_changes_nothing(
         time.sleep(1.5)  # the worker re-reads the file at most once a second
         incident("second, under a broken file")
         ended(environment, "ops:incident-triage", "succeeded", 2)
-        log = json.dumps(
-            [json.loads(line) for line in worker.log().splitlines() if line.startswith("{")]
-        ).replace('\\"', '"')
+        log = json.dumps(list(log_records(worker.log()))).replace('\\"', '"')
         for key in (
             'rules."ops:incident-triage".turns',
             'rules."ops:incident-triage".wake',

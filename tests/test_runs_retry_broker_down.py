@@ -9,12 +9,9 @@ message, no message in the broker. With Redis back, a dispatcher and a worker ru
 """
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -25,10 +22,10 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 
 from relayr.cli.runs import BROKER_TRIES
 from relayr.transient import is_transient
-from tests.faults.private_redis import PrivateRedis, private_redis
+from tests.faults.private_redis import PrivateRedis
 from tests.ops_app import FIXED
-from tests.test_ops_worker import GRANTED, WHERE, dispatching, ended, relayr, runs
-from tests.workers import REPO, relayr_environment, running_worker
+from tests.test_ops_worker import GRANTED, WHERE, ended, relayr, runs
+from tests.workers import REPO, relayr_environment, running_dispatcher, running_worker
 
 RULE = "ops:backup-check"
 
@@ -54,16 +51,6 @@ def test_only_a_connection_fault_is_tried_again(error: BaseException, transient:
     assert is_transient(error) is transient
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[PrivateRedis]:
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("redis-server is not installed (CI=true: a service test may not skip)")
-        pytest.skip("redis-server is not installed")
-    with private_redis(tmp_path / "redis") as server:
-        yield server
-
-
 def every_run(environment: dict[str, str]) -> dict[str, dict[str, Any]]:
     return {row["id"]: row for row in runs(environment, "--limit", "1000")}
 
@@ -84,7 +71,7 @@ def test_a_retry_with_the_broker_down_leaves_the_run_pending_for_the_dispatcher(
     )
     thread = relayr(environment, "thread", "create", WHERE, "--title", "backups")["id"]
     data = json.dumps({"thread_id": thread})
-    with running_worker(environment, tmp_path), dispatching(environment, tmp_path):
+    with running_worker(environment, tmp_path), running_dispatcher(environment, tmp_path):
         relayr(environment, "publish", WHERE, "opsw:backup", "--data", data)
         [dead] = ended(environment, RULE, "dead")
         # a second run that succeeds: it must be left as it is
@@ -140,7 +127,7 @@ def test_a_retry_with_the_broker_down_leaves_the_run_pending_for_the_dispatcher(
     assert queued == 0, "nothing was enqueued while the broker was down"
 
     (tmp_path / FIXED).touch()
-    with running_worker(environment, tmp_path), dispatching(environment, tmp_path):
+    with running_worker(environment, tmp_path), running_dispatcher(environment, tmp_path):
         ended(environment, RULE, "succeeded", count=2)
     report = relayr(environment, "runs", "show", dead["id"])
     assert [a["outcome"] for a in report["attempts"]] == ["failed", "dead", "succeeded"]
