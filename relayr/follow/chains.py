@@ -44,7 +44,7 @@ thread is read backwards for it, this many envelopes at a time, at most this man
 turn whose start is further back continues no chain."""
 
 RULE_CLIENT_PREFIX: Final = "reflexr:"
-"""The client id of a rule's participant in artifactr: ``reflexr:<rule>`` (relayr.actions)."""
+"""The client id of a rule's participant in artifactr: ``reflexr:<rule>`` (relayr.participant)."""
 
 _RULE_WRITES: Final[Mapping[str, tuple[WriteKind, str]]] = {
     "message_posted": ("message", "message_id"),
