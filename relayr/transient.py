@@ -3,7 +3,7 @@
 A dropped database connection, SQLite's ``database is locked`` and a broker that is briefly
 unreachable pass within a second; a constraint, a refusal or a programming error does not. Each
 step relayr retries is safe to repeat: a storage transaction either committed or rolled back
-whole (a fault during COMMIT may hide which: :class:`relayr.attempts.Tries`), an artifactr write
+whole (a fault during COMMIT may hide which: :class:`relayr.tries.Tries`), an artifactr write
 carries an id derived from the run (a repeat is refused as used), a broker message only names
 runs whose store decides. So a transient fault is retried inside the attempt, a few times
 within a fraction of a second, and never spends one of the rule's retries; what still fails

@@ -9,8 +9,8 @@ that :func:`relayr.core.refusals.classify` passes through (``validation_failed``
 
 Whether a reason is permanent (no retry can help, so the rule's retry policy is skipped) is
 decided where the failure is made: :mod:`relayr.core.refusals` for a write,
-:mod:`relayr.attempts` and :mod:`relayr.executor` for an attempt. ADR-0060 lists them with the
-why.
+:mod:`relayr.attempts`, :mod:`relayr.invocation` and :mod:`relayr.execution` for an attempt.
+ADR-0060 lists them with the why.
 
 The lost-attempt count (ADR-0022) travels in the error of an abandoned attempt, the only field
 of a run that reflexr keeps from one attempt to the next besides the reason:
