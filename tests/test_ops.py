@@ -37,19 +37,9 @@ from relayr.core.allowlist_toml import parse_allowlist
 from relayr.core.ids import IdDeriver, digest
 from relayr.executor import execute_run
 from relayr.ledger import WorkspaceKey
-from relayr.ops import (
-    ENQUEUE_FAILED,
-    AmbiguousRun,
-    RunFilter,
-    cancel,
-    find_run,
-    find_runs,
-    list_runs,
-    not_enqueued,
-    retry,
-    show_run,
-    skip,
-)
+from relayr.ops import ENQUEUE_FAILED, cancel, find_runs, not_enqueued, retry, skip
+from relayr.run_report import show_run
+from relayr.run_rows import AmbiguousRun, RunFilter, find_run, list_runs
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tests.test_actions import Note
@@ -434,7 +424,7 @@ async def test_a_turn_that_went_quiet_is_shown_stalled(tmp_path: Path) -> None:
     from artifactr.workspace import InMemoryStorage as ArtifactMemory
 
     from relayr.ledger import InMemoryLedger
-    from relayr.ops import STALLED_AFTER, _turns
+    from relayr.run_report import STALLED_AFTER, _turns
 
     hold = asyncio.Event()
 

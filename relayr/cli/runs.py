@@ -1,10 +1,10 @@
 """``relayr runs list|show|retry|cancel|skip``: find failed runs across workspaces, act on them.
 
-Ops own failed runs: ``list`` finds them across every workspace, ``show`` tells one whole
-(attempts, emissions, the turns its messages started), and ``retry``, ``cancel`` and ``skip``
-change them through reflexr's own operator operations (:mod:`relayr.ops`). A retry also
-enqueues the run, so it runs without waiting for the dispatcher. Every command that prints data
-has ``--json``.
+Ops own failed runs: ``list`` finds them across every workspace (:mod:`relayr.run_rows`),
+``show`` tells one whole (attempts, emissions, the turns its messages started:
+:mod:`relayr.run_report`), and ``retry``, ``cancel`` and ``skip`` change them through reflexr's
+own operator operations (:mod:`relayr.ops`). A retry also enqueues the run, so it runs without
+waiting for the dispatcher. Every command that prints data has ``--json``.
 
 Exit codes: 0 when every run was changed (and, for a retry, enqueued); 1 when some were refused,
 or when the enqueue failed (the broker stayed unavailable through its bounded retries, or
@@ -40,7 +40,8 @@ from relayr.core import parsing
 if TYPE_CHECKING:
     from reflexr.workspace import Workspaces
 
-    from relayr.ops import Done, EnqueueRun, RunFilter, RunRow
+    from relayr.ops import Done, EnqueueRun
+    from relayr.run_rows import RunFilter, RunRow
     from relayr.runtime import Runtime
     from relayr.settings import Settings
 
@@ -153,7 +154,7 @@ def runs_list(
     settings = load_settings()
 
     async def work(rules: "Workspaces") -> list["RunRow"]:
-        from relayr.ops import list_runs
+        from relayr.run_rows import list_runs
 
         return await list_runs(rules, _filter(rules, status, rule, where, age, limit))
 
@@ -184,7 +185,8 @@ def runs_show(run_id: str, workspace: str | None, as_json: bool) -> None:
     settings = load_settings()
 
     async def work(runtime: "Runtime") -> dict[str, Any] | None:
-        from relayr.ops import AmbiguousRun, find_run, show_run
+        from relayr.run_report import show_run
+        from relayr.run_rows import AmbiguousRun, find_run
 
         rules = runtime.application.rules
         try:
@@ -266,7 +268,8 @@ def runs_retry(
     enqueue = enqueuer(settings)
 
     async def work(rules: "Workspaces") -> list["Done"]:
-        from relayr.ops import list_runs, retry
+        from relayr.ops import retry
+        from relayr.run_rows import list_runs
 
         if dead:
             found = await list_runs(rules, _filter(rules, "dead", rule, where, age, None))
@@ -323,7 +326,8 @@ def runs_skip(run_ids: tuple[str, ...], reason: str, workspace: str | None, as_j
 
 
 def _key(where: Where | None) -> Any:
-    """``where`` as the ledger's workspace key, which :mod:`relayr.ops` takes."""
+    """``where`` as the ledger's workspace key, which :mod:`relayr.run_rows` and :mod:`relayr.ops`
+    take."""
     if where is None:
         return None
     from relayr.ledger.port import WorkspaceKey
@@ -339,7 +343,7 @@ def _filter(
     age: timedelta | None = None,
     limit: int | None = None,
 ) -> "RunFilter":
-    from relayr.ops import RunFilter
+    from relayr.run_rows import RunFilter
 
     since: datetime | None = None if age is None else rules.clock() - age
     return RunFilter(status=status, rule=rule, workspace=_key(where), since=since, limit=limit)

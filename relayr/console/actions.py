@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops import Done, EnqueueRun, RunRow, cancel, find_runs, list_runs, retry, skip
+from relayr.ops import Done, EnqueueRun, cancel, find_runs, retry, skip
+from relayr.run_rows import RunRow, list_runs
 from relayr.runtime import Runtime
 
 from .queries import RunQuery

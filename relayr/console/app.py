@@ -39,7 +39,8 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops import AmbiguousRun, Done, EnqueueRun, not_enqueued
+from relayr.ops import Done, EnqueueRun, not_enqueued
+from relayr.run_rows import AmbiguousRun
 from relayr.runtime import Runtime
 from relayr.settings import redact
 

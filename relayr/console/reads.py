@@ -1,9 +1,9 @@
 """What the console's pages show, read with the calls the command line makes.
 
 Each page's data comes from the engine functions behind the matching command, so the console
-and the CLI never disagree about a run: the runs page is :func:`relayr.ops.list_runs`
-(``relayr runs list``), a run's page :func:`relayr.ops.show_run` (``relayr runs show``) plus
-the events that fired it, a thread :func:`relayr.transcript.read_thread` (``relayr thread
+and the CLI never disagree about a run: the runs page is :func:`relayr.run_rows.list_runs`
+(``relayr runs list``), a run's page :func:`relayr.run_report.show_run` (``relayr runs show``)
+plus the events that fired it, a thread :func:`relayr.transcript.read_thread` (``relayr thread
 show``), the allowlist ``explain`` for every rule with the file's warnings (``relayr allowlist
 check|explain``), and health the checks of ``relayr health`` with the broker's queue depth and
 the followers' status (``relayr follow status``).
@@ -36,7 +36,9 @@ from relayr.health import (
     heartbeat_path,
 )
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops import RunReport, RunRow, find_run, followers_of, list_runs, show_run
+from relayr.ops import followers_of
+from relayr.run_report import RunReport, show_run
+from relayr.run_rows import RunRow, find_run, list_runs
 from relayr.runtime import Runtime
 from relayr.transcript import ThreadEntry, read_thread
 
@@ -65,7 +67,7 @@ QUEUE_DEPTH_TIMEOUT_S: Final = DEFAULT_TIMEOUT_S
 
 @dataclass(frozen=True)
 class RunsPage:
-    """One page of the runs list, newest created first (:func:`relayr.ops.list_runs`: a page
+    """One page of the runs list, newest created first (:func:`relayr.run_rows.list_runs`: a page
     shows the runs the pages before it did not)."""
 
     query: RunQuery
