@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from reflexr.workspace import RunFailure
 
 from relayr.core.allowlist_toml import parse_allowlist
-from tests.test_isolation import (
+from tests.isolation_world import (
     HOME,
     RULE,
     RULE_AUTHOR,
