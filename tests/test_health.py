@@ -30,8 +30,8 @@ from relayr.health import (
     touch_heartbeat,
 )
 from tests.faults.private_redis import PrivateRedis
+from tests.metrics_probes import probe_worker
 from tests.services import free_port
-from tests.test_metrics import probe_worker
 
 REPO = Path(__file__).resolve().parent.parent
 
