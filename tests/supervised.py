@@ -1,18 +1,24 @@
-"""What a test of ``relayr run`` cleans up: the worker it supervised, whatever became of it.
+"""What tests of ``relayr run`` share: the worker it supervised cleaned up, and a bounded wait.
 
 ``relayr run`` starts its worker in a session of its own (:mod:`relayr.cli.processes`), so
 stopping or killing ``relayr run`` itself does not reach the worker when ``relayr run`` could
 not stop it first (killed, or a test that failed while it was starting the worker). The
 supervisor's status file (:func:`relayr.supervisor.status_path`) names the worker it runs:
 :func:`kill_left_worker` kills that worker's session, so no test leaves a worker behind.
+:func:`wait_for` waits, within :data:`WAIT_S`, for the state a supervisor's step reaches.
 """
 
 import os
 import signal
+import time
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
 from relayr.supervisor import read_status, status_path
+
+WAIT_S = 90.0
+"""How long a step may take to reach the state it waits for: far above what it needs."""
 
 
 def kill_left_worker(home: Path) -> None:
@@ -33,3 +39,14 @@ def kill_left_worker(home: Path) -> None:
         environment = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
         if environment & homes:
             os.killpg(pid, signal.SIGKILL)
+
+
+def wait_for[T](probe: Callable[[], T | None], what: str, timeout_s: float = WAIT_S) -> T:
+    """Poll ``probe`` every 0.1 s until it returns something true; return that."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = probe()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
