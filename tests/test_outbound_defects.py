@@ -12,7 +12,7 @@ On real artifactr storage (in memory and SQLite) with a real Runner, through the
   behind it fails ``missing_run_context``.
 
 The third defect, the allowlist's promised reload "at once on SIGHUP", is a promise in shipped
-files, tested in :mod:`tests.test_deploy`.
+files, tested in :mod:`tests.test_deploy_allowlist`.
 """
 
 from collections.abc import Iterator
