@@ -99,7 +99,7 @@ def test_anything_but_a_batch_of_ids_is_refused(
 ) -> None:
     """The run task's arguments, read as the task reads them. What a worker does with a
     refused message (one line, not requeued) is checked on a real worker in
-    test_hostile_input.py."""
+    test_hostile_messages.py."""
     with pytest.raises(InvalidTask) as refused:
         parse_batch(args, kwargs)
     assert problem in refused.value.message
