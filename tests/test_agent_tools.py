@@ -373,12 +373,11 @@ async def test_a_direct_write_that_artifactr_proposes_is_told_as_a_proposal(
     assert await handle.artifacts(ToolsPlan) == []
 
 
+@pytest.mark.parametrize("harness", ["sqlite"], indirect=True)
 async def test_a_read_whose_storage_stays_down_fails_the_run_as_storage_unavailable(
     harness: Harness,
 ) -> None:
     engines = harness.runtime.application.engines
-    if not engines:
-        pytest.skip("a storage fault needs SQL storage")
     thread = await harness.thread()
     handle = await harness.artifacts()
     await handle.commit(create_artifact(ToolsNote(text="# runbook"), artifact_id="art_runbook"))

@@ -24,7 +24,7 @@ from relayr import evaluation
 from relayr.application import open_storage
 from relayr.evaluation import evaluate_all, evaluate_workspace
 from relayr.settings import Settings
-from tests.services import STORAGES, storage_url
+from tests.services import SQL_STORAGES, STORAGES, storage_url
 
 TENANT, WORKSPACE = "acme", "evals"
 REF = WorkspaceRef(TENANT, WORKSPACE)
@@ -177,11 +177,10 @@ async def test_a_pass_stops_at_the_head_it_found(url: str, monkeypatch: pytest.M
     assert {p.cursor for p in progress.values()} == {head}
 
 
+@pytest.mark.parametrize("url", SQL_STORAGES, indirect=True)
 async def test_two_evaluators_at_once_fire_each_run_once(
     url: str, reference: RuleWorkspaces
 ) -> None:
-    if url == "memory://":
-        pytest.skip("two evaluators need one storage shared by two engines")
     rules = await _workspaces(url)
     other = await _workspaces(url)
     await _publish(rules, 0, 25)

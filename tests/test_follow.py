@@ -29,7 +29,7 @@ from relayr.follow.reports import CAUSE_MISSING, PROJECTION_FAILED
 from relayr.ledger.port import WorkspaceKey
 from tests.follow_app import MAX_DEPTH, Asked, Looped
 from tests.follow_world import KEY, PERSON, TENANT, WORKSPACE, World, opened
-from tests.services import STORAGES, storage_url
+from tests.services import SQL_STORAGES, STORAGES, storage_url
 
 BRIDGED_BY_A_QUESTION_AND_THANKS = 6
 """What :class:`Asked` and a person's reply bridge: the rule's question, the agent's answer, its
@@ -330,10 +330,9 @@ async def test_one_follower_per_workspace_at_a_time(world: World) -> None:
 # ─── what a pass costs ────────────────────────────────────────────────────────
 
 
+@pytest.mark.parametrize("world", SQL_STORAGES, indirect=True)
 async def test_a_pass_costs_a_handful_of_transactions(world: World) -> None:
     engines = world.runtime.application.engines
-    if not engines:
-        pytest.skip("memory storage has no transactions to count")
     thread = await world.thread()
     handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
     await world.followers.follow_all()
@@ -352,12 +351,11 @@ async def test_a_pass_costs_a_handful_of_transactions(world: World) -> None:
     assert len(begun) <= 4, begun  # the read, the publish, the cursor (+ a lease)
 
 
+@pytest.mark.parametrize("world", SQL_STORAGES, indirect=True)
 async def test_a_pass_over_rules_writes_and_turns_reads_their_causes_at_once(
     world: World,
 ) -> None:
     engines = world.runtime.application.engines
-    if not engines:
-        pytest.skip("memory storage has no transactions to count")
     threads = [await world.thread() for _ in range(5)]
     await world.followers.follow_all()
     await world.publish(*(Asked(thread_id=thread, text="status?") for thread in threads))

@@ -35,7 +35,7 @@ from tests.follow_app import FollowPlan, Noted
 from tests.follow_world import KEY as WORLD_KEY
 from tests.follow_world import PERSON as WORLD_PERSON
 from tests.follow_world import World, opened
-from tests.services import STORAGES, storage_url
+from tests.services import SQL_STORAGES, STORAGES, storage_url
 from tests.test_actions import ALLOWLIST, KEY, TENANT, WORKSPACE, Harness, Note
 from tests.test_outbound_defects import Down
 
@@ -250,12 +250,11 @@ async def test_a_direct_edit_of_an_artifact_archived_after_the_read_is_refused(
     assert (refused.value.reason, refused.value.permanent) == ("artifact_archived", True)
 
 
+@pytest.mark.parametrize("harness", SQL_STORAGES, indirect=True)
 async def test_the_read_that_confirms_a_proposal_fails_as_storage_unavailable(
     harness: GatedHarness,
 ) -> None:
     engine = harness.engine
-    if engine is None:
-        pytest.skip("a storage fault needs SQL storage")
     thread = await harness.thread()
     handle = await person(harness)
     note = (await handle.create(Note(text="# note"))).artifact_id
