@@ -17,6 +17,7 @@ reconnect on, not the message's fault.
 
 import base64
 import binascii
+from abc import ABC, abstractmethod
 from typing import Any, Final
 
 import structlog
@@ -85,7 +86,7 @@ def log_set_aside(path: str, queue: str, problem: str) -> None:
     logger.error(SET_ASIDE, path=path, queue=queue, problem=problem[:MAX_PROBLEM_CHARS])
 
 
-class SetAsideOnError:
+class SetAsideOnError(ABC):
     """A channel mixin: the consumer's callback cannot raise a message's fault into Celery.
 
     The channel supplies ``set_aside(message, queue, problem)``, which moves the delivered
@@ -119,5 +120,6 @@ class SetAsideOnError:
             queue, no_ack, guarded, consumer_tag, **kwargs
         )
 
+    @abstractmethod
     def set_aside(self, message: Any, queue: str, problem: str) -> None:
-        raise NotImplementedError
+        """Move the delivered ``message`` to ``queue``'s dead letters and settle it."""
