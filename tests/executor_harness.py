@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
+import pytest
 from artifactr import Workspaces as ArtifactWorkspaces
 from reflexr import Event, F, RetryPolicy, Rule, SourceActor, by, on, run
 from reflexr.core import Run
@@ -30,6 +31,7 @@ from relayr.executor import Executed, execute_run
 from relayr.runtime import Runtime
 from relayr.settings import Settings
 from tests.builders import Gates
+from tests.services import STORAGES, storage_url
 
 TENANT, WORKSPACE = "acme", "ops"
 REF = WorkspaceRef(TENANT, WORKSPACE)
@@ -114,7 +116,15 @@ ACTIONS = {"work": work, "slow": slow}
 
 
 class Harness:
-    """A worker's runtime on real storage, and a way to make runs as the dispatcher would."""
+    """A worker's runtime on real storage, and a way to make runs as the dispatcher would.
+
+    Its application is :data:`EVENTS`, :data:`RULES` and :data:`ACTIONS`; a harness of other
+    tests names its own (:class:`tests.retries_harness.Harness`).
+    """
+
+    EVENTS: ClassVar[list[type[Event]]] = [Asked, Keyed, Timed]
+    RULES: ClassVar[list[Rule]] = RULES
+    ACTIONS: ClassVar[dict[str, Any]] = ACTIONS
 
     def __init__(self, settings: Settings, storage: SharedStorage, runtime: Runtime) -> None:
         self.settings = settings
@@ -122,18 +132,18 @@ class Harness:
         self.runtime = runtime
         self.application = runtime.application
         self.rules = self.application.rules
-        self.reactor = Reactor(self.rules, actions=ACTIONS)
+        self.reactor = Reactor(self.rules, actions=self.ACTIONS)  # it only evaluates here
         gates = self.application.app_deps
         assert isinstance(gates, Gates)
         self.gates = gates
 
     @classmethod
-    async def open(cls, settings: Settings) -> "Harness":
+    async def open(cls, settings: Settings) -> Self:
         storage = await open_storage(settings)
         application = Application(
             artifacts=ArtifactWorkspaces(storage.artifacts),
-            rules=RuleWorkspaces(storage.rules, events=[Asked, Keyed, Timed], rules=RULES),
-            actions=ACTIONS,
+            rules=RuleWorkspaces(storage.rules, events=cls.EVENTS, rules=cls.RULES),
+            actions=cls.ACTIONS,
             app_deps=Gates(),
             engines=storage.engines,
         )
@@ -185,13 +195,24 @@ class Harness:
     async def aclose(self) -> None:
         await self.runtime.aclose()
 
+    @classmethod
+    @asynccontextmanager
+    async def opened(cls, database_url: str, tmp_path: Path) -> AsyncIterator[Self]:
+        """A harness on ``database_url``, closed after the block."""
+        settings = Settings(home=tmp_path, database_url=database_url, lease_ttl_s=5, turn_grace_s=0)
+        harness = await cls.open(settings)
+        try:
+            yield harness
+        finally:
+            await harness.aclose()
 
-@asynccontextmanager
-async def opened(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
-    """A harness on ``database_url``, closed after the block."""
-    settings = Settings(home=tmp_path, database_url=database_url, lease_ttl_s=5, turn_grace_s=0)
-    harness = await Harness.open(settings)
-    try:
+
+@pytest.fixture(params=STORAGES)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return storage_url(request, tmp_path)
+
+
+@pytest.fixture
+async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
+    async with Harness.opened(database_url, tmp_path) as harness:
         yield harness
-    finally:
-        await harness.aclose()

@@ -9,38 +9,31 @@ tests/test_message_runs.py.
 """
 
 import asyncio
-import dataclasses
 import re
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from artifactr import UserActor
-from artifactr import Workspaces as ArtifactWorkspaces
 from reflexr import Event, F, RetryPolicy, Rule, SourceActor, by, on, run
-from reflexr.core import Run
-from reflexr.workspace import Reaction, Reactor, WorkspaceRef
-from reflexr.workspace import Workspaces as RuleWorkspaces
+from reflexr.workspace import Reaction
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from relayr import metrics
 from relayr.actions import acting
-from relayr.application import Application, open_storage
 from relayr.bridge import Bridge
-from relayr.core.allowlist import Allowlists
 from relayr.ledger import WorkspaceKey
-from relayr.runtime import Runtime
-from relayr.settings import Settings
+from tests import executor_harness
 from tests.builders import Gates
-from tests.services import SQL_STORAGES
+from tests.executor_harness import REF as REF  # the workspace, as the base harness names it
+from tests.executor_harness import TENANT, WORKSPACE
+from tests.services import SQL_STORAGES, STORAGES, storage_url
 
-TENANT, WORKSPACE = "acme", "ops"
-REF = WorkspaceRef(TENANT, WORKSPACE)
 KEY = WorkspaceKey(TENANT, WORKSPACE)
 WAIT_S = 30.0
 """How long a gate may take to open: far above what any step needs."""
@@ -155,38 +148,13 @@ class FailingStatements:
             event.remove(engine.sync_engine, "before_cursor_execute", self.before)
 
 
-class Harness:
-    """A worker's runtime on real storage, and a way to make runs as the dispatcher would."""
+class Harness(executor_harness.Harness):
+    """The executor's harness (:class:`tests.executor_harness.Harness`) with these tests' rules,
+    a thread to write in, an operator, and the SQL engine a fault is made in."""
 
-    def __init__(self, settings: Settings, runtime: Runtime, engine: AsyncEngine | None) -> None:
-        self.settings = settings
-        self.runtime = runtime
-        self.engine = engine
-        self.rules = runtime.application.rules
-        self.reactor = Reactor(self.rules, actions=ACTIONS)  # it only evaluates here
-        gates = runtime.application.app_deps
-        assert isinstance(gates, Gates)
-        self.gates = gates
-
-    async def fire(self, event: Event) -> str:
-        """Publish an event, evaluate, and return the id of the run it made."""
-        source = await self.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
-        published = await source.publish(event)
-        await self.reactor.evaluate()
-        [made] = [r for r in await source.runs(limit=1000) if published.envelope.seq in r.matched]
-        return made.id
-
-    async def run(self, run_id: str) -> Run:
-        source = await self.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
-        return await source.run(run_id)
-
-    async def facts(self, run_id: str) -> list[str]:
-        """The ``reflexr:run_*`` facts of a run, in log order."""
-        return [
-            e.event_type.removeprefix("reflexr:")
-            for e in await self.rules.storage.read(REF)
-            if getattr(e.event, "run_id", None) == run_id
-        ]
+    EVENTS: ClassVar[list[type[Event]]] = [Once, Ordered, Noticed]
+    RULES: ClassVar[list[Rule]] = RULES
+    ACTIONS: ClassVar[dict[str, Any]] = ACTIONS
 
     async def thread(self) -> str:
         handle = await self.runtime.application.artifacts.open(
@@ -197,39 +165,9 @@ class Harness:
     async def operator(self) -> Any:
         return await self.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="operator"))
 
-    def other_worker(self, **settings: Any) -> Runtime:
-        """Another process's runtime over the same storage: its own lease holder."""
-        return dataclasses.replace(
-            self.runtime,
-            holder=f"{self.runtime.holder}-other",
-            executing=set(),
-            settings=self.settings.changed(**settings),
-        )
-
     def storage_engine(self) -> AsyncEngine:
-        assert self.engine is not None, "this test needs SQL storage"
-        return self.engine
-
-
-@asynccontextmanager
-async def opened(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
-    """A harness on ``database_url``, its runtime closed after the block."""
-    settings = Settings(home=tmp_path, database_url=database_url, lease_ttl_s=5, turn_grace_s=0)
-    storage = await open_storage(settings)
-    application = Application(
-        artifacts=ArtifactWorkspaces(storage.artifacts),
-        rules=RuleWorkspaces(storage.rules, events=[Once, Ordered, Noticed], rules=RULES),
-        actions=ACTIONS,
-        app_deps=Gates(),
-        engines=storage.engines,
-    )
-    runtime = await Runtime.start(
-        settings, role="worker", application=application, allowlists=Allowlists.empty
-    )
-    try:
-        yield Harness(settings, runtime, storage.engine)
-    finally:
-        await runtime.aclose()
+        assert self.storage.engine is not None, "this test needs SQL storage"
+        return self.storage.engine
 
 
 SQL = pytest.mark.parametrize("database_url", SQL_STORAGES, indirect=True)
@@ -243,3 +181,14 @@ RUNS_SAVED = re.compile(r"UPDATE reflexr_runs")
 def sample(name: str, **labels: str) -> float:
     """The current value of one sample of this process's metrics (0 when absent)."""
     return metrics.registry().get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture(params=STORAGES)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return storage_url(request, tmp_path)
+
+
+@pytest.fixture
+async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
+    async with Harness.opened(database_url, tmp_path) as harness:
+        yield harness

@@ -9,10 +9,9 @@ table. Runs are made and read through :mod:`tests.retries_harness`.
 """
 
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,21 +30,10 @@ from tests.retries_harness import (
     Harness,
     Once,
     Ordered,
-    opened,
 )
+from tests.retries_harness import database_url as database_url  # the storage, a fixture
+from tests.retries_harness import harness as harness  # the fixture, on every storage
 from tests.retries_harness import sample as _sample
-from tests.services import STORAGES, storage_url
-
-
-@pytest.fixture(params=STORAGES)
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return storage_url(request, tmp_path)
-
-
-@pytest.fixture
-async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
-    async with opened(database_url, tmp_path) as harness:
-        yield harness
 
 
 @dataclass

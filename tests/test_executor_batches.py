@@ -7,25 +7,10 @@ state. Runs are made and read through :mod:`tests.executor_harness`; the asserti
 runs and the order of their facts in the store.
 """
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
-
 from relayr.executor import execute_runs
-from tests.executor_harness import REF, TENANT, WORKSPACE, Asked, Harness, Keyed, opened
-from tests.services import STORAGES, storage_url
-
-
-@pytest.fixture(params=STORAGES)
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return storage_url(request, tmp_path)
-
-
-@pytest.fixture
-async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
-    async with opened(database_url, tmp_path) as harness:
-        yield harness
+from tests.executor_harness import REF, TENANT, WORKSPACE, Asked, Harness, Keyed
+from tests.executor_harness import database_url as database_url  # the storage, a fixture
+from tests.executor_harness import harness as harness  # the fixture, on every storage
 
 
 async def test_an_ordered_scope_goes_on_with_its_next_runs_in_one_execution(

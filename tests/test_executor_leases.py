@@ -9,9 +9,8 @@ Runs are made and read through :mod:`tests.executor_harness`.
 """
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from reflexr import SourceActor
@@ -28,20 +27,10 @@ from tests.executor_harness import (
     Asked,
     Harness,
     Timed,
-    opened,
 )
-from tests.services import SQL_STORAGES, STORAGES, storage_url
-
-
-@pytest.fixture(params=STORAGES)
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return storage_url(request, tmp_path)
-
-
-@pytest.fixture
-async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
-    async with opened(database_url, tmp_path) as harness:
-        yield harness
+from tests.executor_harness import database_url as database_url  # the storage, a fixture
+from tests.executor_harness import harness as harness  # the fixture, on every storage
+from tests.services import SQL_STORAGES
 
 
 async def test_a_run_executed_twice_at_once_makes_one_attempt(harness: Harness) -> None:

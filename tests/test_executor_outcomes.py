@@ -10,11 +10,8 @@ executor takes for transient, a plain table.
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 from pydantic import BaseModel
 from reflexr.workspace import Reaction, with_params
 from reflexr.workspace import Workspaces as RuleWorkspaces
@@ -32,21 +29,10 @@ from tests.executor_harness import (
     Harness,
     Keyed,
     Timed,
-    opened,
     slow,
 )
-from tests.services import STORAGES, storage_url
-
-
-@pytest.fixture(params=STORAGES)
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return storage_url(request, tmp_path)
-
-
-@pytest.fixture
-async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
-    async with opened(database_url, tmp_path) as harness:
-        yield harness
+from tests.executor_harness import database_url as database_url  # the storage, a fixture
+from tests.executor_harness import harness as harness  # the fixture, on every storage
 
 
 async def test_a_due_run_succeeds(harness: Harness) -> None:

@@ -9,9 +9,7 @@ failed in the driver (:mod:`tests.retries_harness`).
 """
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from reflexr.core import start
@@ -32,21 +30,10 @@ from tests.retries_harness import (
     Noticed,
     Once,
     Ordered,
-    opened,
 )
+from tests.retries_harness import database_url as database_url  # the storage, a fixture
+from tests.retries_harness import harness as harness  # the fixture, on every storage
 from tests.retries_harness import sample as _sample
-from tests.services import STORAGES, storage_url
-
-
-@pytest.fixture(params=STORAGES)
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return storage_url(request, tmp_path)
-
-
-@pytest.fixture
-async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
-    async with opened(database_url, tmp_path) as harness:
-        yield harness
 
 
 async def test_a_later_run_of_a_scope_named_in_the_same_message_goes_on(
