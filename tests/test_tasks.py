@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import structlog
@@ -21,6 +21,7 @@ from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.core.errors import InvalidTask
 from relayr.executor import Executed
 from relayr.logging import configure_logging
+from relayr.outcomes import RunOutcome
 from relayr.settings import Settings
 from tasks.app import celery_config, create_celery, transport_options
 from tasks.runs import (
@@ -117,18 +118,8 @@ def test_a_batch_by_position_or_by_name() -> None:
 
 
 def test_every_outcome_of_the_executor_has_a_line() -> None:
-    outcomes = {
-        "succeeded",
-        "retrying",
-        "dead",
-        "cancelled",
-        "missing",
-        "not_due",
-        "contended",
-        "dropped",
-        "interrupted",
-        "abandoned",
-    }
+    outcomes = set(get_args(RunOutcome.__value__))
+    assert len(outcomes) == 10
     assert set(RUN_OUTCOME_LINES) == outcomes
     assert RUN_OUTCOME_LINES["not_due"] == (logging.INFO, "run not due: nothing to do")
     assert RUN_OUTCOME_LINES["contended"] == (
