@@ -35,10 +35,10 @@ from bench.common import (
 )
 from bench.figures import Probe, count_outcomes, profile_summary, round_figures
 from bench.workers import RelayrProcess, relayr_environment, start_worker
-from relayr.batch import RunBatch
+from relayr.core.run_messages import RunBatch
 from relayr.demo import CLI_USER, DEPLOYS_PER_THREAD, RULE_AUTHOR_PREFIX
-from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
-from relayr.runtime import Runtime
+from relayr.dispatch.dispatcher import Dispatcher, DispatchPass, Enqueue
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tasks.runs import send_runs
 

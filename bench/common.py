@@ -37,7 +37,7 @@ import asyncpg
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from relayr.application import Application
+from relayr.runtime.application import Application
 from relayr.settings import Settings
 from rules import example
 
@@ -90,7 +90,7 @@ def note(message: str) -> None:
 
 def quiet_logging() -> None:
     """relayr's log lines at WARNING and above, on stderr: stdout carries only the figures."""
-    from relayr.logging import configure_logging
+    from relayr.observe.logging import configure_logging
 
     configure_logging("console", level="WARNING")
 

@@ -32,8 +32,8 @@ from bench.common import (
     quiet_logging,
     storage_available,
 )
-from relayr.application import open_storage
 from relayr.demo import CLI_USER, DEPLOYS_PER_THREAD
+from relayr.runtime.application import open_storage
 from relayr.settings import Settings
 
 AGENT = ExternalAgentActor(client_id="reflexr:bench:floor", name="bench:floor")

@@ -34,7 +34,7 @@ from reflexr.core import FINISHED, Run, load_event
 from reflexr.workspace import Workspace as RuleWorkspace
 
 from relayr.follow.events import BRIDGED_EVENTS
-from relayr.runtime import Runtime
+from relayr.runtime.process import Runtime
 
 TENANT: Final = "demo"
 WORKSPACE: Final = "ops"

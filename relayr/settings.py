@@ -366,7 +366,7 @@ def export_metrics_directory(directory: Path) -> None:
     """Tell prometheus_client, in this process and those it forks, where values are kept.
 
     The one environment variable relayr sets, here because this module is the one place that
-    touches the environment; :func:`relayr.metrics.enable_multiprocess` calls it.
+    touches the environment; :func:`relayr.observe.metrics.enable_multiprocess` calls it.
     """
     os.environ[METRICS_DIRECTORY_VARIABLE] = str(directory)
 

@@ -38,7 +38,7 @@ from typing import Any, Final
 from celery import Celery, Task
 
 from relayr import broker
-from relayr.health import heartbeat_path, heartbeat_step
+from relayr.observe.health import heartbeat_path, heartbeat_step
 from relayr.settings import Settings
 from tasks.runs import task_names
 from tasks.worker import process
@@ -54,7 +54,8 @@ PUBLISH_RETRY_POLICY: Final = {
     "interval_max": 0.5,
 }
 """How a publish that meets a broker connection error is retried (Celery's own mechanism): three
-times within about a second, as storage steps are (relayr.transient), so a broker that blinks
+times within about a second, as storage steps are (relayr.runtime.transient), so a broker that
+blinks
 costs nothing and one that is down fails the publish fast; the dispatcher's next pass, or the
 operator, tries again."""
 
@@ -134,7 +135,7 @@ def create_celery(settings: Settings) -> Celery:
     app.steps["worker"].add(heartbeat_step(heartbeat_path(settings.home, "worker")))
     process.configure(settings)
     if settings.tracing:
-        from relayr.otel import instrument_celery  # the SDK: only when tracing is on
+        from relayr.observe.otel import instrument_celery  # the SDK: only when tracing is on
 
         instrument_celery()
     _current = app

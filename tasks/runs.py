@@ -1,14 +1,15 @@
-"""The run tasks: ids in, one call into :mod:`relayr.executor`, outcomes out, in the log.
+"""The run tasks: ids in, one call into :mod:`relayr.execution.executor`, outcomes out, in the log.
 
 A task is like a web view (Celery's own advice): it checks its arguments, makes one call into
 the library, and maps typed outcomes to what the worker does and says. It carries ids and
-nothing else (:class:`relayr.batch.RunBatch`); each run is re-read from reflexr's store, which
+nothing else (:class:`relayr.core.run_messages.RunBatch`); each run is re-read from reflexr's
+store, which
 decides whether anything happens (ADR-0001). So a duplicated or redelivered message is
 harmless: a run that is not due, or that another worker holds, does nothing and the log says so.
 
 - ``relayr.execute_runs(tenant_id, workspace_id, run_ids)`` names up to
-  :data:`relayr.batch.MAX_BATCH_RUNS` runs of one workspace, executed together
-  (:func:`relayr.executor.execute_runs`); ``relayr.execute_run(tenant_id, workspace_id,
+  :data:`relayr.core.run_messages.MAX_BATCH_RUNS` runs of one workspace, executed together
+  (:func:`relayr.execution.executor.execute_runs`); ``relayr.execute_run(tenant_id, workspace_id,
   run_id)``, the one-run message of earlier releases, is still served.
 - Malformed arguments: one log line, no write, no retry: the message is rejected, never
   requeued (:class:`InvalidTask`).
@@ -29,11 +30,12 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from relayr import executor, metrics
-from relayr.batch import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunBatch
 from relayr.core import reasons
 from relayr.core.errors import InvalidTask
-from relayr.executor import Executed
+from relayr.core.run_messages import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunBatch
+from relayr.execution.executor import Executed
+from relayr.execution import executor
+from relayr.observe import metrics
 from tasks.worker import process
 
 logger = structlog.get_logger("relayr.tasks")
@@ -63,7 +65,7 @@ RUN_OUTCOME_LINES: Final[Mapping[str, tuple[int, str]]] = {
     "interrupted": (logging.WARNING, "attempt interrupted"),
     "abandoned": (logging.WARNING, "an abandoned attempt was recorded as failed"),
 }
-"""What each of :class:`relayr.executor.Executed`'s outcomes means, at what level."""
+"""What each of :class:`relayr.execution.executor.Executed`'s outcomes means, at what level."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ relayr is async (both libraries are), Celery tasks are not. Async engines, artif
 of that loop: a loop per task (``asyncio.run``) would break the storage on the second task and
 cancel every turn when the task returns. So each pool process owns ONE loop, running forever in
 a background thread, created after the fork (``worker_process_init``), holding the process's
-:class:`relayr.runtime.Runtime`. A task body, in the process's main thread, hands its coroutine
+:class:`relayr.runtime.process.Runtime`. A task body, in the process's main thread, hands its
+coroutine
 to that loop (``run_coroutine_threadsafe``) and waits for the result:
 
 - a turn that a run's send started keeps running on the loop after the task returns;
@@ -38,10 +39,10 @@ import structlog
 from celery import signals
 from celery.exceptions import Reject
 
-from relayr import metrics
 from relayr.core.errors import InvalidTask
-from relayr.logging import configure_logging
-from relayr.runtime import Runtime
+from relayr.observe import metrics
+from relayr.observe.logging import configure_logging
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 
 logger = structlog.get_logger("relayr.worker")
@@ -222,7 +223,7 @@ def _traced(*, lazy: bool) -> None:
     """Configure this process's OpenTelemetry providers, when the settings turn tracing on."""
     settings = process.settings
     if settings is not None and settings.tracing:
-        from relayr.otel import configure  # the SDK: only when tracing is on
+        from relayr.observe.otel import configure  # the SDK: only when tracing is on
 
         configure(settings, "worker", lazy=lazy)
 
@@ -230,7 +231,7 @@ def _traced(*, lazy: bool) -> None:
 def _flush() -> None:
     settings = process.settings
     if settings is not None and settings.tracing:
-        from relayr.otel import flush
+        from relayr.observe.otel import flush
 
         flush()
 

@@ -24,7 +24,7 @@ from reflexr import Event, RetryPolicy, Rule, on, run
 from reflexr.workspace import Reaction
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.application import Application, open_storage
+from relayr.runtime.application import Application, open_storage
 from relayr.settings import Settings
 
 TURN_RELEASE_FILE = "release-turns"

@@ -15,8 +15,8 @@ from reflexr import Event, Rule, on, run
 from reflexr.workspace import Reaction, RunFailure
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.actions import acting
-from relayr.application import Application, open_storage
+from relayr.execution.actions import acting
+from relayr.runtime.application import Application, open_storage
 from relayr.settings import Settings
 from rules.example import TriageNote, triage_agent
 from tests.ops_app import RULES as OPS_RULES

@@ -20,13 +20,13 @@ from reflexr import Event, F, RetryPolicy, Rule, SourceActor, by, on, run
 from reflexr.workspace import Reaction, WorkspaceRef
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.application import Application, open_storage
-from relayr.batch import RunBatch
-from relayr.bridge import Bridge
 from relayr.core.allowlist import Allowlists
-from relayr.dispatch import Dispatcher, DispatchPass
-from relayr.executor import execute_runs
-from relayr.runtime import Runtime
+from relayr.core.run_messages import RunBatch
+from relayr.dispatch.dispatcher import Dispatcher, DispatchPass
+from relayr.execution.executor import execute_runs
+from relayr.runtime.application import Application, open_storage
+from relayr.runtime.bridge import Bridge
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.builders import Gates
 from tests.services import STORAGES, storage_url

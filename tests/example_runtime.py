@@ -12,10 +12,10 @@ from artifactr import UserActor
 from artifactr.core import MessagePosted, RunEnded
 from reflexr import SourceActor
 
-from relayr.batch import RunBatch
-from relayr.dispatch import Dispatcher
-from relayr.executor import Executed, execute_runs
-from relayr.runtime import Runtime
+from relayr.core.run_messages import RunBatch
+from relayr.dispatch.dispatcher import Dispatcher
+from relayr.execution.executor import Executed, execute_runs
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from rules.example import DeployFinished, IncidentOpened
 from tests.workers import ALLOWLIST

@@ -24,11 +24,11 @@ from reflexr.core import Run
 from reflexr.workspace import Reaction, Reactor, RunFailure, WorkspaceRef
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.application import Application, SharedStorage, open_storage
-from relayr.bridge import Bridge
 from relayr.core.allowlist import Allowlists
-from relayr.executor import Executed, execute_run
-from relayr.runtime import Runtime
+from relayr.execution.executor import Executed, execute_run
+from relayr.runtime.application import Application, SharedStorage, open_storage
+from relayr.runtime.bridge import Bridge
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.builders import Gates
 from tests.services import STORAGES, storage_url

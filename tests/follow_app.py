@@ -44,8 +44,7 @@ from reflexr.core import Condition
 from reflexr.workspace import Reaction
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.actions import acting
-from relayr.application import Application, open_storage
+from relayr.execution.actions import acting
 from relayr.follow.config import Inbound
 from relayr.follow.events import (
     BRIDGED_EVENTS,
@@ -55,6 +54,7 @@ from relayr.follow.events import (
     TurnEnded,
 )
 from relayr.ledger.port import WorkspaceKey
+from relayr.runtime.application import Application, open_storage
 from relayr.settings import Settings
 
 FOLLOW_APP: Final = "tests.follow_app:create_follow_app"

@@ -21,18 +21,18 @@ from reflexr import SourceActor
 from reflexr.core import Envelope
 from reflexr.workspace import Workspace as RuleWorkspace
 
-from relayr.application import Application, open_storage
-from relayr.batch import RunBatch
 from relayr.core.allowlist_toml import parse_allowlist
-from relayr.dispatch import Dispatcher
-from relayr.executor import execute_runs
+from relayr.core.run_messages import RunBatch
+from relayr.dispatch.dispatcher import Dispatcher
+from relayr.execution.executor import execute_runs
 from relayr.follow.config import Inbound
 from relayr.follow.follower import Followers
 from relayr.follow.projections import Projection
 from relayr.follow.reports import Followed
 from relayr.follow.store import FollowStore, InMemoryFollowStore, SqlFollowStore
 from relayr.ledger.port import WorkspaceKey
-from relayr.runtime import Runtime
+from relayr.runtime.application import Application, open_storage
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.follow_app import ACTIONS, ALLOWLIST, agent, rule_workspaces
 

@@ -36,10 +36,9 @@ from reflexr.workspace import InMemoryStorage, Reaction, Reactor, Workspaces
 from sqlalchemy.ext.asyncio import AsyncEngine
 from structlog.testing import capture_logs
 
-from relayr.actions import RunActions, acting
-from relayr.bridge import Bridge
 from relayr.core.allowlist import Allowlists
 from relayr.core.emissions import EmissionRecord
+from relayr.execution.actions import RunActions, acting
 from relayr.ledger import (
     Cause,
     InMemoryLedger,
@@ -49,6 +48,7 @@ from relayr.ledger import (
     WorkspaceKey,
     WriteKind,
 )
+from relayr.runtime.bridge import Bridge
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 HOME = WorkspaceKey("acme", "ops")

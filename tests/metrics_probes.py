@@ -51,7 +51,8 @@ PROBE_WORKER = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     from celery import Celery
-    from relayr import health, metrics
+    from relayr.observe import health
+    from relayr.observe import metrics
 
     broker, queue, directory, heartbeat, concurrency = sys.argv[1:6]
     server = metrics.start_metrics_server(0, Path(directory), addr="127.0.0.1")

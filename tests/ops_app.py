@@ -21,9 +21,9 @@ from reflexr import Event, RetryPolicy, Rule, on, run
 from reflexr.workspace import Reaction, RunFailure
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.actions import acting
-from relayr.application import Application, open_storage
 from relayr.core.ids import IdDeriver, digest
+from relayr.execution.actions import acting
+from relayr.runtime.application import Application, open_storage
 from relayr.settings import Settings
 from rules.example import TriageNote, triage_agent
 

@@ -29,13 +29,13 @@ from reflexr import Event, RetryPolicy, Rule, SourceActor, on, run
 from reflexr.sql import SqlStorage as RuleSql
 from reflexr.workspace import Reaction, Reactor, RunFailure, Workspaces
 
-from relayr.actions import acting
-from relayr.application import Application, create_engine, migrate
 from relayr.core.allowlist_toml import parse_allowlist
 from relayr.core.ids import IdDeriver, digest
-from relayr.executor import execute_run
+from relayr.execution.actions import acting
+from relayr.execution.executor import execute_run
 from relayr.ledger import WorkspaceKey
-from relayr.runtime import Runtime
+from relayr.runtime.application import Application, create_engine, migrate
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.test_actions import Note
 

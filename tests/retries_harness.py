@@ -24,10 +24,10 @@ from reflexr.workspace import Reaction
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from relayr import metrics
-from relayr.actions import acting
-from relayr.bridge import Bridge
+from relayr.execution.actions import acting
 from relayr.ledger import WorkspaceKey
+from relayr.observe import metrics
+from relayr.runtime.bridge import Bridge
 from tests import executor_harness
 from tests.builders import Gates
 from tests.executor_harness import REF as REF  # the workspace, as the base harness names it

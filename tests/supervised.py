@@ -3,7 +3,7 @@
 ``relayr run`` starts its worker in a session of its own (:mod:`relayr.cli.processes`), so
 stopping or killing ``relayr run`` itself does not reach the worker when ``relayr run`` could
 not stop it first (killed, or a test that failed while it was starting the worker). The
-supervisor's status file (:func:`relayr.supervisor.status_path`) names the worker it runs:
+supervisor's status file (:func:`relayr.runtime.supervisor.status_path`) names the worker it runs:
 :func:`kill_left_worker` kills that worker's session, so no test leaves a worker behind.
 :func:`wait_for` waits, within :data:`WAIT_S`, for the state a supervisor's step reaches.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
-from relayr.supervisor import read_status, status_path
+from relayr.observe.health import read_status, status_path
 
 WAIT_S = 90.0
 """How long a step may take to reach the state it waits for: far above what it needs."""

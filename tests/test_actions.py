@@ -24,13 +24,13 @@ from reflexr import Event, Rule, SourceActor, on, run
 from reflexr.core import start
 from reflexr.workspace import InMemoryStorage, Reaction, Reactor, RunFailure, Workspaces
 
-from relayr.actions import RunActions, acting
-from relayr.bridge import Bridge
 from relayr.core.allowlist import Allowlists
 from relayr.core.allowlist_toml import parse_allowlist
 from relayr.core.emissions import EmissionRecord
+from relayr.execution.actions import RunActions, acting
 from relayr.ledger import Cause, InMemoryLedger, WorkspaceKey
-from relayr.turns import turn_cause
+from relayr.ledger.turns import turn_cause
+from relayr.runtime.bridge import Bridge
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 TENANT, WORKSPACE = "acme", "ops"

@@ -31,14 +31,14 @@ from reflexr.core import Run
 from reflexr.workspace import Reaction
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.agent_tools import TOOL_RETRIES, RuleCapability, RuleTools
-from relayr.application import Application, open_storage
-from relayr.batch import RunBatch
-from relayr.bridge import Bridge
 from relayr.core.allowlist_toml import parse_allowlist
-from relayr.dispatch import DUE_READ_INTERVAL_S, Dispatcher
-from relayr.executor import execute_runs
-from relayr.runtime import Runtime
+from relayr.core.run_messages import RunBatch
+from relayr.dispatch.dispatcher import DUE_READ_INTERVAL_S, Dispatcher
+from relayr.execution.agent_tools import TOOL_RETRIES, RuleCapability, RuleTools
+from relayr.execution.executor import execute_runs
+from relayr.runtime.application import Application, open_storage
+from relayr.runtime.bridge import Bridge
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.test_outbound_defects import Down
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from relayr.allowlist_file import load_allowlist
 from relayr.core.allowlist import MOST_RESTRICTIVE, Allowlist, GrantSource, warnings
 from relayr.core.errors import InvalidAllowlist
+from relayr.runtime.allowlist_file import load_allowlist
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def test_unreadable_for_permissions(tmp_path: Path) -> None:
 
 UNPRIVILEGED_LOAD = """
 import json, os, sys
-from relayr.allowlist_file import load_allowlist
+from relayr.runtime.allowlist_file import load_allowlist
 from relayr.core.errors import InvalidAllowlist
 assert not os.access(sys.argv[1], os.R_OK), "the file is still readable: privileges kept"
 try:

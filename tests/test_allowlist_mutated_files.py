@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relayr.allowlist_file import AllowlistFile, load_allowlist
 from relayr.core.allowlist import Allowlists
 from relayr.core.allowlist_toml import parse_allowlist
 from relayr.core.errors import InvalidAllowlist
+from relayr.runtime.allowlist_file import AllowlistFile, load_allowlist
 from tests.allowlist_helpers import Clock
 from tests.allowlist_mutations import (
     ESCAPES,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from relayr.allowlist_file import AllowlistFile
 from relayr.core.allowlist import Allowlists
 from relayr.core.errors import InvalidAllowlist
+from relayr.runtime.allowlist_file import AllowlistFile
 from tests.allowlist_helpers import Clock
 
 

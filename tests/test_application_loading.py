@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from relayr.application import Application, load_application, load_factory
 from relayr.core.errors import InvalidApplication
+from relayr.runtime.application import Application, load_application, load_factory
 from relayr.settings import Settings
 from rules.example import create_app
 
@@ -29,7 +29,7 @@ def factories(tmp_path: Path) -> Iterator[str]:
             from reflexr.workspace import InMemoryStorage, Workspaces
             from artifactr import Workspaces as ArtifactWorkspaces
             from artifactr.workspace import InMemoryStorage as ArtifactMemory
-            from relayr.application import Application
+            from relayr.runtime.application import Application
             from rules.example import DeployFinished
 
             def not_async(settings):

@@ -24,7 +24,7 @@ from relayr.broker.dead_letters import SET_ASIDE
 from relayr.broker.redis import dead_letter_list
 from relayr.cli.demo import run_scenario
 from relayr.demo import Plan
-from relayr.runtime import Runtime
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
 from tests.broker_app import Gated, gate_path

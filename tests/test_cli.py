@@ -23,7 +23,7 @@ from reflexr.workspace import Reactor
 
 from relayr.cli import cli
 from relayr.cli.processes import RelayrProcess, relayr_command
-from relayr.runtime import Runtime
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.supervised import kill_left_worker
 from tests.workers import REPO, relayr_environment

@@ -42,7 +42,7 @@ SDK = (
     "opentelemetry.sdk",
     "opentelemetry.exporter.otlp.proto.http",
     "opentelemetry.instrumentation.celery",
-    "relayr.otel",
+    "relayr.observe.otel",
 )
 """OpenTelemetry's SDK, its exporter and Celery's instrumentation: loaded only when tracing is
 on (ADR-0080)."""
@@ -115,8 +115,8 @@ def test_help_imports_only_what_it_prints(environment: dict[str, str]) -> None:
 
 
 def test_help_shows_the_defaults_it_does_not_import() -> None:
-    from relayr.health import DEFAULT_MAX_AGE_S, DEFAULT_TIMEOUT_S
-    from relayr.supervisor import RESTART_DELAY_MAX_S, RESTART_DELAY_S
+    from relayr.observe.health import DEFAULT_MAX_AGE_S, DEFAULT_TIMEOUT_S
+    from relayr.runtime.supervisor import RESTART_DELAY_MAX_S, RESTART_DELAY_S
 
     shown = {
         ("run",): (RESTART_DELAY_S, RESTART_DELAY_MAX_S),
@@ -146,7 +146,11 @@ def test_publish_loads_nothing_of_opentelemetry_s_sdk_unless_traced(
         traced = {**environment, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
         loaded = imported(traced, *command, among=(*SDK, "artifactr", "celery"))
     # traced, the command loads the SDK and its exporter, and still no artifactr nor Celery
-    assert loaded == {"opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http", "relayr.otel"}
+    assert loaded == {
+        "opentelemetry.sdk",
+        "opentelemetry.exporter.otlp.proto.http",
+        "relayr.observe.otel",
+    }
 
 
 def test_runs_list_and_allowlist_check_load_no_artifactr(environment: dict[str, str]) -> None:

@@ -19,8 +19,8 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import AsyncRetrying, RetryCallState
 
-from relayr import transient
-from relayr.executor import execute_runs, fail_run
+from relayr.execution.executor import execute_runs, fail_run
+from relayr.runtime.process import transient
 from tests.retries_harness import (
     RUNS_SAVED,
     SQL,

@@ -17,7 +17,7 @@ import pytest
 from reflexr import SourceActor
 from reflexr.workspace import Reactor
 
-from relayr.runtime import Runtime
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.console_http import SCRIPT, WHERE, environment_of
 from tests.console_http import read_only as read_only  # the fixture, read-only

@@ -16,9 +16,9 @@ from reflexr import SourceActor
 from reflexr.core import start
 from reflexr.workspace import run_lease
 
-from relayr.batch import MAX_BATCH_RUNS
-from relayr.dispatch import DispatchPass
-from relayr.executor import execute_run, execute_runs
+from relayr.core.run_messages import MAX_BATCH_RUNS
+from relayr.dispatch.dispatcher import DispatchPass
+from relayr.execution.executor import execute_run, execute_runs
 from tests.dispatch_harness import (
     BACKOFF,
     REF,

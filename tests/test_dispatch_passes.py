@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from relayr.batch import RunBatch
-from relayr.dispatch import DUE_READ_INTERVAL_S, Dispatcher
-from relayr.executor import execute_runs
+from relayr.core.run_messages import RunBatch
+from relayr.dispatch.dispatcher import DUE_READ_INTERVAL_S, Dispatcher
+from relayr.execution.executor import execute_runs
 from relayr.settings import Settings
 from tests.dispatch_harness import (
     BACKOFF,

@@ -8,7 +8,7 @@ never copied; a run the queue refused goes with the next pass. The harness (its 
 messages, its clocks moved by the test) is :mod:`tests.dispatch_harness`.
 """
 
-from relayr.batch import RunBatch
+from relayr.core.run_messages import RunBatch
 from tests.dispatch_harness import REQUEUE_AFTER_S, Harness, Ping
 from tests.dispatch_harness import database_url as database_url  # the storage, a fixture
 from tests.dispatch_harness import harness as harness  # the fixture, on every storage

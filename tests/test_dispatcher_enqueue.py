@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from relayr.batch import RunBatch
 from relayr.cli.serve import batch_enqueuer
+from relayr.core.run_messages import RunBatch
 from relayr.settings import Settings
 
 HELD_S = 30.0

@@ -1,7 +1,8 @@
 """relayr's evaluation against reflexr's reactor, on real storage: the same runs, facts and state.
 
 One log is evaluated by reflexr's ``Reactor.evaluate`` in one storage and by
-:func:`relayr.evaluation.evaluate_all` in another; the runs they create (ids are derived from
+:func:`relayr.dispatch.evaluation.evaluate_all` in another; the runs they create (ids are derived
+from
 the rule, scope and seq, so they compare across storages), the rules' cursors and the facts
 they append must be the same. Then what only relayr's does: one transaction per workspace and
 pass, a bound at the pass's head, and two evaluators at once firing each run once.
@@ -20,9 +21,9 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from relayr import evaluation
-from relayr.application import open_storage
-from relayr.evaluation import evaluate_all, evaluate_workspace
+from relayr.dispatch.dispatcher import evaluation
+from relayr.dispatch.evaluation import evaluate_all, evaluate_workspace
+from relayr.runtime.application import open_storage
 from relayr.settings import Settings
 from tests.services import SQL_STORAGES, STORAGES, storage_url
 

@@ -13,8 +13,8 @@ import pytest
 
 from relayr.core.allowlist import Allowlists
 from relayr.core.allowlist_toml import parse_allowlist
-from relayr.executor import execute_run
-from relayr.runtime import Runtime
+from relayr.execution.executor import execute_run
+from relayr.runtime.process import Runtime
 from rules.example import (
     DEPLOY_NOTICE,
     INCIDENT_TRIAGE,
@@ -115,7 +115,7 @@ async def test_without_the_grant_a_triage_fails_and_writes_nothing(
 
 
 def test_the_allowlist_grants_turns_to_the_triage_rule_only() -> None:
-    from relayr.allowlist_file import load_allowlist
+    from relayr.runtime.allowlist_file import load_allowlist
 
     allowlists: Allowlists = load_allowlist(ALLOWLIST)
 

@@ -16,10 +16,10 @@ from artifactr.core import MessagePosted, ProposalCreated
 from reflexr import SourceActor
 
 from relayr import demo
-from relayr.batch import RunBatch
-from relayr.dispatch import Dispatcher
-from relayr.executor import execute_runs
-from relayr.runtime import Runtime
+from relayr.core.run_messages import RunBatch
+from relayr.dispatch.dispatcher import Dispatcher
+from relayr.execution.executor import execute_runs
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from rules.example import REPLY, SCRIBE_TOOL_CALLS, IncidentOpened
 from rules.example.rules import INBOUND_RULES, INCIDENT_SCRIBE

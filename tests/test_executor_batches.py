@@ -7,7 +7,7 @@ state. Runs are made and read through :mod:`tests.executor_harness`; the asserti
 runs and the order of their facts in the store.
 """
 
-from relayr.executor import execute_runs
+from relayr.execution.executor import execute_runs
 from tests.executor_harness import REF, TENANT, WORKSPACE, Asked, Harness, Keyed
 from tests.executor_harness import database_url as database_url  # the storage, a fixture
 from tests.executor_harness import harness as harness  # the fixture, on every storage

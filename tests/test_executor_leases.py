@@ -18,7 +18,7 @@ from reflexr.core import start
 from reflexr.workspace import run_lease
 from sqlalchemy import event
 
-from relayr.executor import fail_run
+from relayr.execution.executor import fail_run
 from tests.executor_harness import (
     BACKOFF,
     REF,

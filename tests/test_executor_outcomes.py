@@ -16,8 +16,8 @@ from pydantic import BaseModel
 from reflexr.workspace import Reaction, with_params
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.bridge import Bridge
-from relayr.executor import Executed, is_transient
+from relayr.execution.executor import Executed, is_transient
+from relayr.runtime.bridge import Bridge
 from tests.executor_harness import (
     ACTIONS,
     BACKOFF,

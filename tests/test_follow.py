@@ -20,13 +20,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import event
 
-from relayr import telemetry
-from relayr.batch import RunBatch
-from relayr.dispatch import Dispatcher
+from relayr.core.run_messages import RunBatch
+from relayr.dispatch.dispatcher import Dispatcher
 from relayr.follow.events import FOLLOWER, MessagePosted, TurnEnded
 from relayr.follow.projections import PROJECTIONS, Projection, Source
 from relayr.follow.reports import CAUSE_MISSING, PROJECTION_FAILED
 from relayr.ledger.port import WorkspaceKey
+from relayr.observe import telemetry
 from tests.follow_app import MAX_DEPTH, Asked, Looped
 from tests.follow_world import KEY, PERSON, TENANT, WORKSPACE, World, opened
 from tests.services import SQL_STORAGES, STORAGES, storage_url

@@ -19,7 +19,7 @@ from relayr.cli import cli
 from relayr.cli.follow import followers_of
 from relayr.follow.store import DeadLetter
 from relayr.ledger.port import WorkspaceKey
-from relayr.runtime import Runtime
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from rules.example import DeployFinished
 from tests.workers import relayr_environment

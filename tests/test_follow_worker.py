@@ -26,7 +26,7 @@ from artifactr import UserActor
 from artifactr.core import MessagePosted as ArtifactrMessagePosted
 from reflexr import SourceActor
 
-from relayr.runtime import Runtime
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.follow_app import (
     ALLOWLIST,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from relayr.health import (
+from relayr.observe.health import (
     DEFAULT_MAX_AGE_S,
     Check,
     HealthReport,

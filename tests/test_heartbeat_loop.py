@@ -2,7 +2,7 @@
 
 On ``filesystem://`` (a transport without an event loop) Celery runs the worker's timer in a
 thread of its own. A heartbeat written from that thread would go on while the consumer loop is
-stuck; :func:`relayr.health.heartbeat_step` only asks from the timer, and the loop beats.
+stuck; :func:`relayr.observe.health.heartbeat_step` only asks from the timer, and the loop beats.
 
 A real prefork worker on relayr's embedded broker beats every :data:`BEAT_S`. Its consumer loop
 is stuck at a known point, not on a timer: a ``task_received`` handler (it runs in the loop, in
@@ -41,7 +41,7 @@ GATED_WORKER: Final = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from celery import Celery, signals
-    from relayr.health import heartbeat_step
+    from relayr.observe.health import heartbeat_step
 
     folder, queue, heartbeat, beat_s, stuck, gate = sys.argv[1:7]
     app = Celery("gated", broker="filesystem://localhost/")

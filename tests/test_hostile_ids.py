@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from reflexr.workspace import RunFailure
 
-from relayr.actions import RunActions
 from relayr.core.allowlist_toml import parse_allowlist
+from relayr.execution.actions import RunActions
 from tests.isolation_world import HOME, RULE, IsolationNote, StorageKind, opened
 from tests.isolation_world import template as template  # the fixture, a migrated SQLite file
 

@@ -23,12 +23,12 @@ import pytest
 import redis
 from reflexr.core import load_event
 
-from relayr.batch import RunBatch
 from relayr.broker.redis import dead_letter_list
 from relayr.cli.demo import run_scenario
+from relayr.core.run_messages import RunBatch
 from relayr.demo import CLI_USER, DEMO_PUBLISHER, Plan
-from relayr.dispatch import Dispatcher
-from relayr.runtime import Runtime
+from relayr.dispatch.dispatcher import Dispatcher
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
 from tasks.runs import LEGACY_TASK_NAME, MAX_ID_LENGTH, RUN_OUTCOME_LINES, TASK_NAME

@@ -31,9 +31,9 @@ from artifactr.sql import SqlStorage, create_sqlite_engine
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from relayr import application
 from relayr.core.errors import InvalidEmission
 from relayr.ledger import Cause, InMemoryLedger, Ledger, LedgerWrites, SqlLedger, WorkspaceKey
+from relayr.runtime.process import application
 from tests.builders import NOW, emission
 
 WORKSPACE = WorkspaceKey("tenant-1", "ws-1")

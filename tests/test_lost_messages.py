@@ -19,10 +19,10 @@ import redis
 from artifactr import UserActor
 from reflexr import SourceActor
 
-from relayr.batch import RunBatch
 from relayr.broker.layout import is_message, queue_path
-from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
-from relayr.runtime import Runtime
+from relayr.core.run_messages import RunBatch
+from relayr.dispatch.dispatcher import Dispatcher, DispatchPass, Enqueue
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from rules.example import DeployFinished
 from tasks.app import create_celery

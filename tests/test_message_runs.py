@@ -16,7 +16,7 @@ from reflexr.core import start
 from reflexr.workspace import run_lease
 from sqlalchemy.exc import OperationalError
 
-from relayr.executor import execute_run, execute_runs
+from relayr.execution.executor import execute_run, execute_runs
 from tests.retries_harness import (
     KEY,
     REF,

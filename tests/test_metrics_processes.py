@@ -31,7 +31,7 @@ FORKED = textwrap.dedent(
     """
     import json, multiprocessing, sys
     from pathlib import Path
-    from relayr import metrics
+    from relayr.observe import metrics
 
     directory = Path(sys.argv[1])
     metrics.record_run("ops:before", "succeeded", 1.0)  # in memory: not this process's files

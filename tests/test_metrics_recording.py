@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from relayr import metrics
+from relayr.observe import metrics
 from tests.metrics_probes import sample, scrape
 
 EXPECTED = {

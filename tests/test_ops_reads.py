@@ -25,9 +25,9 @@ from reflexr.sql import SqlStorage as RuleSql
 from reflexr.workspace import WorkspaceRef, Workspaces
 
 from relayr.ledger import WorkspaceKey
-from relayr.ops import cancel, find_runs
-from relayr.run_report import show_run
-from relayr.run_rows import AmbiguousRun, RunFilter, find_run, list_runs
+from relayr.ops.report import show_run
+from relayr.ops.rows import AmbiguousRun, RunFilter, find_run, list_runs
+from relayr.ops.runs import cancel, find_runs
 from tests.ops_harness import KEY, RULES, TENANT, WORKSPACE, Crashed, Flaked, Ops
 from tests.ops_harness import ops as ops  # the fixture, on SQLite and PostgreSQL
 from tests.test_actions import Note
@@ -131,7 +131,7 @@ async def test_a_turn_that_went_quiet_is_shown_stalled(tmp_path: Path) -> None:
     from artifactr.workspace import InMemoryStorage as ArtifactMemory
 
     from relayr.ledger import InMemoryLedger
-    from relayr.run_report import STALLED_AFTER, _turns
+    from relayr.ops.report import STALLED_AFTER, _turns
 
     hold = asyncio.Event()
 

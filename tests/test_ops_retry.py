@@ -10,9 +10,9 @@ reflexr's operator retry, and what the retry enqueues is executed as a worker wo
 from kombu.exceptions import EncodeError
 from structlog.testing import capture_logs
 
-from relayr.ops import ENQUEUE_FAILED, cancel, find_runs, not_enqueued, retry, skip
-from relayr.run_report import show_run
-from relayr.run_rows import RunFilter, find_run, list_runs
+from relayr.ops.report import show_run
+from relayr.ops.rows import RunFilter, find_run, list_runs
+from relayr.ops.runs import ENQUEUE_FAILED, cancel, find_runs, not_enqueued, retry, skip
 from tests.ops_harness import KEY, WORLD, Crashed, Flaked, Ops, _ref
 from tests.ops_harness import ops as ops  # the fixture, on SQLite and PostgreSQL
 

@@ -29,8 +29,8 @@ from reflexr.workspace import RunFailure
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from relayr.actions import MissingRunContext, acting
 from relayr.core.allowlist_toml import parse_allowlist
+from relayr.execution.actions import MissingRunContext, acting
 from tests.test_actions import ALLOWLIST, TENANT, WORKSPACE, Harness, Note, Timeline
 from tests.test_actions import harness as harness  # the fixture, over memory and SQLite
 

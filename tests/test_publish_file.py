@@ -18,7 +18,7 @@ from reflexr import Event, SourceActor
 
 from relayr.cli import cli
 from relayr.cli.publish import CHUNK_EVENTS
-from relayr.runtime import Runtime
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.workers import relayr_environment
 

@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from relayr.supervisor import RestartPolicy, WorkerExit
+from relayr.observe.health import WorkerExit
+from relayr.runtime.supervisor import RestartPolicy
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from kombu.exceptions import EncodeError
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from relayr.cli.runs import BROKER_TRIES
-from relayr.transient import is_transient
+from relayr.runtime.transient import is_transient
 from tests.faults.private_redis import PrivateRedis
 from tests.ops_app import FIXED
 from tests.test_ops_worker import GRANTED, WHERE, ended, relayr, runs

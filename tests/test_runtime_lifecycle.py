@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from relayr.core.errors import InvalidAllowlist
-from relayr.runtime import Role, Runtime
+from relayr.runtime.process import Role, Runtime
 from relayr.settings import Settings
 from rules.example import create_app
 from tests.example_runtime import settings_for

@@ -17,7 +17,7 @@ from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.core import MessagePosted
 from artifactr.sql import SqlStorage
 
-from relayr.application import create_engine
+from relayr.runtime.application import create_engine
 
 NOTICES = 50
 
@@ -25,7 +25,7 @@ WRITER = """
 import asyncio, os, signal, sys
 from artifactr import UserActor, Workspaces
 from artifactr.sql import SqlStorage, migrate
-from relayr.application import create_engine
+from relayr.runtime.application import create_engine
 
 async def main(path, count):
     engine = create_engine(f"sqlite+aiosqlite:///{path}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect
 
-from relayr.application import create_engine, open_storage
+from relayr.runtime.application import create_engine, open_storage
 from relayr.settings import Settings
 from tests.example_runtime import settings_for
 from tests.services import SQL_STORAGES, STORAGES, storage_url

@@ -18,7 +18,8 @@ from pathlib import Path
 from structlog.testing import capture_logs
 
 from relayr.cli.processes import RelayrProcess
-from relayr.supervisor import RestartPolicy, WorkerSupervisor, read_status, status_path
+from relayr.observe.health import read_status, status_path
+from relayr.runtime.supervisor import RestartPolicy, WorkerSupervisor
 from tests.supervised import WAIT_S, wait_for
 
 EXITING = "import sys; sys.exit(1)"

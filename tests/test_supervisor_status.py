@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from relayr.health import check_supervisor
-from relayr.supervisor import (
+from relayr.observe.health import (
     SupervisorStatus,
     WorkerExit,
+    check_supervisor,
     read_status,
     status_path,
     write_status,

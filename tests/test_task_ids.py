@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relayr import executor
 from relayr.core.errors import InvalidTask
-from relayr.runtime import Runtime
+from relayr.execution.runs import executor
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tasks.runs import ID_NAMES, MAX_ID_LENGTH, RunIds, parse_ids
 from tests.stored_rows import database_file, table_rows

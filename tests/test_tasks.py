@@ -17,11 +17,11 @@ import structlog
 from celery.exceptions import SoftTimeLimitExceeded
 from structlog.testing import capture_logs
 
-from relayr.batch import MAX_BATCH_RUNS, RunBatch
 from relayr.core.errors import InvalidTask
-from relayr.executor import Executed
-from relayr.logging import configure_logging
-from relayr.outcomes import RunOutcome
+from relayr.core.run_messages import MAX_BATCH_RUNS, RunBatch
+from relayr.execution.executor import Executed
+from relayr.execution.outcomes import RunOutcome
+from relayr.observe.logging import configure_logging
 from relayr.settings import Settings
 from tasks.app import celery_config, create_celery, transport_options
 from tasks.runs import (

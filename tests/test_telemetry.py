@@ -1,6 +1,6 @@
 """Which trace relayr's spans continue (ADR-0080), decided without processes or an SDK.
 
-The rules of ``relayr.telemetry``, on span contexts made here: work for several things joins
+The rules of ``relayr.observe.telemetry``, on span contexts made here: work for several things joins
 their trace when they share one and links to each otherwise; work for one thing continues its
 trace, under the current span when that is in it, else linked to the current span; with
 tracing off, nothing is parsed or started. The journey on real processes is
@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, NonRecordingSpan, SpanContext, TraceFlags
 from reflexr.telemetry import attributes as reflexr_attributes
 
-from relayr import firing_traces, telemetry
+from relayr.observe import firing_traces, telemetry
 
 
 def context(trace_id: int, span_id: int) -> SpanContext:

@@ -201,7 +201,7 @@ def test_one_trace_from_the_publish_to_the_turn_s_end(
     assert turn.attributes["relayr.outcome"] == "completed"
     own_by_id = {span.span_id: span for span in everywhere if span.trace_id == turn_trace}
     # what the turn did, not what its reply caused once bridged (the follow-up rules' runs
-    # continue the turn's trace under relayr.bridge, and may be exported by now or not)
+    # continue the turn's trace under relayr.runtime.bridge, and may be exported by now or not)
     inside = [
         span
         for span in own_by_id.values()

@@ -1,4 +1,4 @@
-"""A transient fault at each step of a run is retried inside the attempt (relayr.transient).
+"""A transient fault at each step of a run is retried inside the attempt (relayr.runtime.transient).
 
 On real storage (SQLite and PostgreSQL), one statement of the step fails once as the database
 would fail it (an ``OperationalError``, raised by the driver hook SQLAlchemy offers,
@@ -27,15 +27,15 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from relayr.actions import acting
-from relayr.allowlist_file import load_allowlist
-from relayr.application import Application, open_storage
-from relayr.batch import RunBatch
 from relayr.core.ids import IdDeriver, digest
-from relayr.dispatch import Dispatcher
-from relayr.executor import execute_runs
+from relayr.core.run_messages import RunBatch
+from relayr.dispatch.dispatcher import Dispatcher
+from relayr.execution.actions import acting
+from relayr.execution.executor import execute_runs
 from relayr.ledger import WorkspaceKey
-from relayr.runtime import Runtime
+from relayr.runtime.allowlist_file import load_allowlist
+from relayr.runtime.application import Application, open_storage
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from rules.example import (
     ACTIONS,

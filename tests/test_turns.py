@@ -1,7 +1,7 @@
 """turn_cause: a turn belongs to the run that posted the newest of its messages (ADR-0026)."""
 
 from relayr.ledger import Cause, InMemoryLedger, WorkspaceKey
-from relayr.turns import turn_cause
+from relayr.ledger.turns import turn_cause
 
 WORKSPACE = WorkspaceKey("tenant-1", "ws-1")
 EARLIER = Cause(correlation_id="cor-1", firing_id="fir-1", run_id="fir-1", depth=0)

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from relayr.batch import RunBatch
 from relayr.cli.demo import run_scenario
+from relayr.core.run_messages import RunBatch
 from relayr.demo import Plan
-from relayr.dispatch import Dispatcher
-from relayr.runtime import Runtime
+from relayr.dispatch.dispatcher import Dispatcher
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
 from tasks.runs import send_runs

@@ -19,7 +19,7 @@ from pydantic_ai.models.function import AgentInfo
 from reflexr import SourceActor
 from structlog.testing import capture_logs
 
-from relayr.runtime import Runtime
+from relayr.runtime.process import Runtime
 from rules.example import REPLY, DeployFinished, IncidentOpened, TriageNote, build_app, triage_agent
 from tests.example_runtime import ALICE, TENANT, WORKSPACE, Example, settings_for
 from tests.services import SQL_STORAGES, STORAGES, storage_url

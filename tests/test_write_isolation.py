@@ -34,8 +34,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reflexr.workspace import RunFailure
 
-from relayr.actions import RunActions
 from relayr.core.allowlist_toml import parse_allowlist
+from relayr.execution.actions import RunActions
 from tests.isolation_world import (
     HOME,
     KINDS,

@@ -27,8 +27,8 @@ from artifactr.workspace import InMemoryStorage as ArtifactMemory
 from reflexr.workspace import RunFailure
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from relayr.actions import RunActions
 from relayr.core.allowlist_toml import parse_allowlist
+from relayr.execution.actions import RunActions
 from relayr.follow.events import ArtifactChanged, ProposalCreated
 from relayr.ledger.port import revision_key
 from tests.follow_app import FollowPlan, Noted

@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 DISPATCHER_READY: Final = '"runtime started"'
-"""What a dispatcher's JSON log says once it runs (relayr.runtime)."""
+"""What a dispatcher's JSON log says once it runs (relayr.runtime.process)."""
 
 POLL_S: Final = 0.2
 """How often :func:`until` looks again: a probe reads a store or a log, cheap at this rate."""

@@ -35,9 +35,9 @@ def allowlist_check(file: Path | None, as_json: bool) -> None:
     Also warns about entries that name no rule the application has, and about rules that get
     turns through a namespace or the default rather than their own entry.
     """
-    from relayr.allowlist_file import load_allowlist
     from relayr.core.allowlist import warnings
     from relayr.core.errors import InvalidAllowlist
+    from relayr.runtime.allowlist_file import load_allowlist
 
     settings = load_settings()
     path = file or settings.allowlist
@@ -71,8 +71,8 @@ def allowlist_check(file: Path | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the grant as one JSON object.")
 def allowlist_explain(rule: str, file: Path | None, as_json: bool) -> None:
     """Say what RULE may do, and which entry gave each permission."""
-    from relayr.allowlist_file import load_allowlist
     from relayr.core.errors import InvalidAllowlist
+    from relayr.runtime.allowlist_file import load_allowlist
 
     path = file or load_settings().allowlist
     try:
@@ -98,7 +98,7 @@ def rule_names(settings: "Settings") -> list[str]:
     """
 
     async def names() -> list[str]:
-        from relayr.parts import opened_rules
+        from relayr.runtime.parts import opened_rules
 
         async with opened_rules(settings) as rules:
             return sorted(rules.rules)

@@ -31,7 +31,7 @@ import click
 from relayr.cli.helpers import EXIT_UNHEALTHY, fail, in_runtime, load_settings
 
 if TYPE_CHECKING:
-    from relayr.runtime import Runtime
+    from relayr.runtime.process import Runtime
     from relayr.settings import Settings
 
 DEFAULT_HOST: Final = "127.0.0.1"

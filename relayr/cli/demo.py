@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from relayr.demo import Plan
-    from relayr.runtime import Runtime
+    from relayr.runtime.process import Runtime
     from relayr.settings import Settings
 
 EXIT_COUNTS_OFF: Final = 1
@@ -64,8 +64,8 @@ async def run_scenario(
 
     from relayr import demo
     from relayr.cli.serve import serve_dispatcher
-    from relayr.runtime import Runtime
-    from relayr.transcript import read_thread
+    from relayr.ops.transcript import read_thread
+    from relayr.runtime.process import Runtime
 
     tenant_id = tenant_id or demo.TENANT
     workspace_id = workspace_id or demo.WORKSPACE
@@ -131,7 +131,7 @@ def run_demo(*, runs: int, concurrency: int, timeout_s: float, as_json: bool) ->
     """``relayr demo``: returns the exit code (0 when every count is as expected)."""
     from relayr import demo
     from relayr.cli.processes import RelayrProcess, relayr_command
-    from relayr.logging import configure_logging
+    from relayr.observe.logging import configure_logging
     from relayr.settings import Settings, child_environment
 
     home = demo.demo_home()

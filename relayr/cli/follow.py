@@ -33,13 +33,14 @@ from relayr.cli.helpers import (
 
 if TYPE_CHECKING:
     from relayr.follow.follower import Followers
-    from relayr.runtime import Runtime
+    from relayr.runtime.process import Runtime
 
 
 def followers_of(runtime: "Runtime") -> "Followers":
-    """The followers of the runtime's application (:func:`relayr.ops.followers_of`, which the
+    """The followers of the runtime's application (:func:`relayr.follow.follower.followers_of`,
+    which the
     console's health page reads too), imported when a command runs (ADR-0050)."""
-    from relayr.ops import followers_of as of_runtime
+    from relayr.follow.follower import followers_of as of_runtime
 
     return of_runtime(runtime)
 

@@ -1,10 +1,11 @@
-"""``relayr health``: the probe's command over :mod:`relayr.health`'s checks.
+"""``relayr health``: the probe's command over :mod:`relayr.observe.health`'s checks.
 
 A probe runs it every few seconds on every pod (ADR-0031): it imports the checks (a Redis
 client, SQLAlchemy) and nothing of the libraries or the application. Exit code 0 when healthy,
 1 when a check failed (:data:`relayr.cli.helpers.EXIT_UNHEALTHY`), 2 for bad input (settings).
 
-The defaults of ``--timeout`` and ``--max-age`` are :mod:`relayr.health`'s, which this module
+The defaults of ``--timeout`` and ``--max-age`` are :mod:`relayr.observe.health`'s, which this
+module
 imports only when the command runs: the checks load a Redis client and SQLAlchemy, which
 ``--help`` must not (the test of this module's help checks that the two agree).
 """
@@ -64,7 +65,7 @@ def health(
     if liveness and role is None:
         raise click.UsageError("--liveness checks a heartbeat: give --worker or --dispatcher")
     settings = load_settings(log_level=None, role=None)  # a probe: never traced
-    from relayr.health import check_health
+    from relayr.observe.health import check_health
 
     given: dict[str, Any] = {"timeout_s": timeout_s, "max_age_s": max_age_s}
     report = check_health(

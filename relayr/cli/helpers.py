@@ -13,7 +13,7 @@ One place for each, so every command answers the same way:
 - **JSON**: :func:`echo_json`, one object or list per line on stdout.
 - **The loop**: :func:`run_async` runs a command's coroutine on this process's one loop, and
   turns relayr's refusals of the settings, application or allowlist into bad input;
-  :func:`in_runtime` does so with a :class:`relayr.runtime.Runtime`.
+  :func:`in_runtime` does so with a :class:`relayr.runtime.process.Runtime`.
 
 This module imports click, relayr's errors and its reading of ids (:mod:`relayr.core.parsing`)
 only, and the settings (pydantic-settings) when a command reads them: every command module
@@ -30,7 +30,7 @@ from relayr.core import parsing
 from relayr.core.errors import InvalidAllowlist, InvalidApplication, InvalidSettings, RelayrError
 
 if TYPE_CHECKING:
-    from relayr.runtime import Role, Runtime
+    from relayr.runtime.process import Role, Runtime
     from relayr.settings import Settings
 
 EXIT_OK: Final = 0
@@ -136,20 +136,20 @@ def load_settings(*, log_level: str | None = "WARNING", role: "Role | None" = "c
     if settings.tracing and role is not None:
         configure_tracing(settings, role)
     if log_level is not None:
-        from relayr.logging import configure_logging
+        from relayr.observe.logging import configure_logging
 
         configure_logging(settings.log_format, level=log_level, traced=settings.tracing)
     return settings
 
 
 def configure_tracing(settings: "Settings", role: "Role") -> None:
-    """Configure this process's OpenTelemetry providers (:func:`relayr.otel.configure`).
+    """Configure this process's OpenTelemetry providers (:func:`relayr.observe.otel.configure`).
 
     Raises:
         BadInput: When tracing is on and the ``otel`` extra is not installed.
     """
     try:
-        from relayr.otel import configure  # the SDK: only when tracing is on (ADR-0080)
+        from relayr.observe.otel import configure  # the SDK: only when tracing is on (ADR-0080)
     except ImportError as missing:
         raise BadInput(
             f"tracing is on (RELAYR_OTEL or OTEL_EXPORTER_OTLP_ENDPOINT) but {missing.name} "
@@ -184,7 +184,7 @@ def in_runtime[T](
     """Run ``work`` on a runtime of this process (:func:`run_async`), then close the runtime."""
 
     async def main() -> T:
-        from relayr.runtime import Runtime
+        from relayr.runtime.process import Runtime
 
         runtime = await Runtime.start(settings, role=role)
         async with runtime:

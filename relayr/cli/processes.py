@@ -1,7 +1,8 @@
 """relayr and Celery processes, started, waited for and always stopped whole.
 
 One wrapper, :class:`RelayrProcess`, for every process relayr starts as a child: ``relayr run``'s
-worker subprocess (:mod:`relayr.supervisor` restarts it), the real workers and dispatchers of
+worker subprocess (:mod:`relayr.runtime.supervisor` restarts it), the real workers and dispatchers
+of
 the tests, and the benchmarks' workers. Each process:
 
 - runs in a session of its own, so stopping or killing it reaches its pool processes too;

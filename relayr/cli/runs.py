@@ -1,9 +1,9 @@
 """``relayr runs list|show|retry|cancel|skip``: find failed runs across workspaces, act on them.
 
-Ops own failed runs: ``list`` finds them across every workspace (:mod:`relayr.run_rows`),
+Ops own failed runs: ``list`` finds them across every workspace (:mod:`relayr.ops.rows`),
 ``show`` tells one whole (attempts, emissions, the turns its messages started:
-:mod:`relayr.run_report`), and ``retry``, ``cancel`` and ``skip`` change them through reflexr's
-own operator operations (:mod:`relayr.ops`). A retry also enqueues the run, so it runs without
+:mod:`relayr.ops.report`), and ``retry``, ``cancel`` and ``skip`` change them through reflexr's
+own operator operations (:mod:`relayr.ops.runs`). A retry also enqueues the run, so it runs without
 waiting for the dispatcher. Every command that prints data has ``--json``.
 
 Exit codes: 0 when every run was changed (and, for a retry, enqueued); 1 when some were refused,
@@ -40,9 +40,9 @@ from relayr.core import parsing
 if TYPE_CHECKING:
     from reflexr.workspace import Workspaces
 
-    from relayr.ops import Done, EnqueueRun
-    from relayr.run_rows import RunFilter, RunRow
-    from relayr.runtime import Runtime
+    from relayr.ops.rows import RunFilter, RunRow
+    from relayr.ops.runs import Done, EnqueueRun
+    from relayr.runtime.process import Runtime
     from relayr.settings import Settings
 
 WORKSPACE_OF_RUNS: Final = (
@@ -78,7 +78,7 @@ def parse_duration(text: str) -> timedelta:
 def enqueuer(settings: "Settings") -> "EnqueueRun":
     """Hands a run to the workers, as the dispatcher does, trying a broker that is down again.
 
-    A transient fault (:func:`relayr.transient.is_transient`) is tried again, at most
+    A transient fault (:func:`relayr.runtime.transient.is_transient`) is tried again, at most
     :data:`BROKER_TRIES` times; the last one raises :class:`relayr.core.errors.BrokerUnavailable`.
     Anything else is raised as it is.
     """
@@ -87,8 +87,8 @@ def enqueuer(settings: "Settings") -> "EnqueueRun":
     from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
     from relayr.core.errors import BrokerUnavailable
+    from relayr.runtime.transient import is_transient
     from relayr.settings import redact
-    from relayr.transient import is_transient
     from tasks.app import create_celery
     from tasks.runs import RunIds, send_run
 
@@ -118,7 +118,7 @@ def on_rules[T](settings: "Settings", work: Callable[["Workspaces"], Awaitable[T
     """Run ``work`` on the application's reflexr workspaces (its rules part), then close them."""
 
     async def main() -> T:
-        from relayr.parts import opened_rules
+        from relayr.runtime.parts import opened_rules
 
         async with opened_rules(settings) as rules:
             return await work(rules)
@@ -154,7 +154,7 @@ def runs_list(
     settings = load_settings()
 
     async def work(rules: "Workspaces") -> list["RunRow"]:
-        from relayr.run_rows import list_runs
+        from relayr.ops.rows import list_runs
 
         return await list_runs(rules, _filter(rules, status, rule, where, age, limit))
 
@@ -185,8 +185,8 @@ def runs_show(run_id: str, workspace: str | None, as_json: bool) -> None:
     settings = load_settings()
 
     async def work(runtime: "Runtime") -> dict[str, Any] | None:
-        from relayr.run_report import show_run
-        from relayr.run_rows import AmbiguousRun, find_run
+        from relayr.ops.report import show_run
+        from relayr.ops.rows import AmbiguousRun, find_run
 
         rules = runtime.application.rules
         try:
@@ -268,8 +268,8 @@ def runs_retry(
     enqueue = enqueuer(settings)
 
     async def work(rules: "Workspaces") -> list["Done"]:
-        from relayr.ops import retry
-        from relayr.run_rows import list_runs
+        from relayr.ops.rows import list_runs
+        from relayr.ops.runs import retry
 
         if dead:
             found = await list_runs(rules, _filter(rules, "dead", rule, where, age, None))
@@ -278,7 +278,7 @@ def runs_retry(
         return await retry(rules, found, enqueue, dry_run=dry_run)
 
     results = on_rules(settings, work)
-    from relayr.ops import not_enqueued
+    from relayr.ops.runs import not_enqueued
     from relayr.settings import redact
 
     problem = not_enqueued(results, redact(settings.broker_url))
@@ -299,7 +299,7 @@ def runs_cancel(
     settings = load_settings()
 
     async def work(rules: "Workspaces") -> list["Done"]:
-        from relayr.ops import cancel
+        from relayr.ops.runs import cancel
 
         return await cancel(rules, await _targets(rules, ids, where), reason=reason)
 
@@ -318,7 +318,7 @@ def runs_skip(run_ids: tuple[str, ...], reason: str, workspace: str | None, as_j
     settings = load_settings()
 
     async def work(rules: "Workspaces") -> list["Done"]:
-        from relayr.ops import skip
+        from relayr.ops.runs import skip
 
         return await skip(rules, await _targets(rules, ids, where), reason=reason)
 
@@ -326,7 +326,8 @@ def runs_skip(run_ids: tuple[str, ...], reason: str, workspace: str | None, as_j
 
 
 def _key(where: Where | None) -> Any:
-    """``where`` as the ledger's workspace key, which :mod:`relayr.run_rows` and :mod:`relayr.ops`
+    """``where`` as the ledger's workspace key, which :mod:`relayr.ops.rows` and
+    :mod:`relayr.ops.runs`
     take."""
     if where is None:
         return None
@@ -343,7 +344,7 @@ def _filter(
     age: timedelta | None = None,
     limit: int | None = None,
 ) -> "RunFilter":
-    from relayr.run_rows import RunFilter
+    from relayr.ops.rows import RunFilter
 
     since: datetime | None = None if age is None else rules.clock() - age
     return RunFilter(status=status, rule=rule, workspace=_key(where), since=since, limit=limit)
@@ -366,7 +367,7 @@ async def _targets(
     Raises:
         BadInput: Naming each id that names no run (in ``where``): nothing has been changed.
     """
-    from relayr.ops import find_runs
+    from relayr.ops.runs import find_runs
 
     key = _key(where)
     found, missing = await find_runs(rules, [(key, run_id) for run_id in run_ids])

@@ -7,7 +7,8 @@
   ``--no-follow``: ``relayr follow`` runs the followers apart, ADR-0065), evaluates rules and
   queues each due run once per attempt, refreshing its heartbeat after each pass (ADR-0031).
 - ``relayr run``: both on one machine: the dispatcher here, and a worker subprocess
-  (:class:`relayr.cli.processes.RelayrProcess`) that :mod:`relayr.supervisor` starts again when
+  (:class:`relayr.cli.processes.RelayrProcess`) that :mod:`relayr.runtime.supervisor` starts again
+  when
   it exits.
 
 Celery, the libraries and the application are imported when a command runs, not when this module
@@ -32,9 +33,9 @@ from relayr.cli.helpers import (
 if TYPE_CHECKING:
     import asyncio
 
-    from relayr.batch import RunBatch
-    from relayr.dispatch import Enqueue
-    from relayr.runtime import Runtime
+    from relayr.core.run_messages import RunBatch
+    from relayr.dispatch.dispatcher import Enqueue
+    from relayr.runtime.process import Runtime
     from relayr.settings import Settings
 
 METRICS_ADDRESS: Final = "0.0.0.0"
@@ -117,9 +118,9 @@ def check_worker_inputs(settings: "Settings") -> None:
 def worker_input_problem(settings: "Settings") -> str | None:
     """What keeps a worker from starting (its allowlist, its application, or tracing on
     without the ``otel`` extra), or None."""
-    from relayr.allowlist_file import load_allowlist
-    from relayr.application import load_factory
     from relayr.core.errors import RelayrError
+    from relayr.runtime.allowlist_file import load_allowlist
+    from relayr.runtime.application import load_factory
 
     try:
         load_allowlist(settings.allowlist)
@@ -128,7 +129,7 @@ def worker_input_problem(settings: "Settings") -> str | None:
         return error.message
     if settings.tracing:
         try:
-            import relayr.otel  # noqa: F401  (the SDK: ADR-0080)
+            import relayr.observe.otel  # noqa: F401  (the SDK: ADR-0080)
         except ImportError as missing:
             return (
                 f"tracing is on (RELAYR_OTEL or OTEL_EXPORTER_OTLP_ENDPOINT) but "
@@ -139,11 +140,11 @@ def worker_input_problem(settings: "Settings") -> str | None:
 
 def serve_metrics(
     port: int | None, home: Path, role: Literal["worker", "dispatcher"], *, per_process: bool
-) -> Any:  # a relayr.metrics.MetricsServer, or None without a port
+) -> Any:  # a relayr.observe.metrics.MetricsServer, or None without a port
     """Start ``/metrics`` on ``port`` (ADR-0030); ``per_process`` for a worker and its pool."""
     if port is None:
         return None
-    from relayr.metrics import metrics_directory, start_metrics_server
+    from relayr.observe.metrics import metrics_directory, start_metrics_server
 
     directory = metrics_directory(home, role) if per_process else None
     # every IPv4 interface, as a scrape target must be reachable ("" fails on some hosts)
@@ -159,8 +160,8 @@ async def serve_dispatcher(
     ``relayr health --dispatcher``: a pass stuck on storage stops the beat (ADR-0031). With
     ``follow``, each pass first follows artifactr's logs (ADR-0065).
     """
-    from relayr.dispatch import Dispatcher, DispatchPass, Enqueue
-    from relayr.health import heartbeat_path, touch_heartbeat
+    from relayr.dispatch.dispatcher import Dispatcher, DispatchPass, Enqueue
+    from relayr.observe.health import heartbeat_path, touch_heartbeat
 
     heartbeat = heartbeat_path(runtime.settings.home, "dispatcher")
 
@@ -279,9 +280,9 @@ def run(
     line and exit code 2. Ctrl-C or SIGTERM stops the dispatcher, then the worker (warm
     shutdown), and exits 0.
     """
-    # the defaults are the supervisor's, imported here: relayr.supervisor loads asyncio and
+    # the defaults are the supervisor's, imported here: relayr.runtime.supervisor loads asyncio and
     # structlog, which --help must not (the test of this module's help checks the two agree)
-    from relayr.supervisor import RESTART_DELAY_MAX_S, RESTART_DELAY_S
+    from relayr.runtime.supervisor import RESTART_DELAY_MAX_S, RESTART_DELAY_S
 
     restart_delay_s = RESTART_DELAY_S if restart_delay_s is None else restart_delay_s
     if restart_delay_max_s is None:
@@ -294,7 +295,8 @@ def run(
     settings = load_settings(log_level="INFO", role="dispatcher")
     check_worker_inputs(settings)
     from relayr.cli.processes import RelayrProcess, relayr_command
-    from relayr.supervisor import RestartPolicy, WorkerSupervisor, status_path
+    from relayr.observe.health import status_path
+    from relayr.runtime.supervisor import RestartPolicy, WorkerSupervisor
 
     worker_command = relayr_command("worker", "--concurrency", str(concurrency))
     supervisor = WorkerSupervisor(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from relayr.cli.helpers import echo_json, fail, load_settings, parse_id, parse_workspace, run_async
-from relayr.transcript import ThreadEntry, marker, read_thread
+from relayr.ops.transcript import ThreadEntry, marker, read_thread
 
 if TYPE_CHECKING:
     from artifactr import UserActor
@@ -51,7 +51,7 @@ def thread_create(where: str, title: str, as_json: bool) -> None:
     settings = load_settings()
 
     async def main() -> str:
-        from relayr.parts import opened_artifacts
+        from relayr.runtime.parts import opened_artifacts
 
         async with opened_artifacts(settings) as artifacts:
             handle = await artifacts.open(
@@ -81,7 +81,7 @@ def thread_show(where: str, thread_id: str, as_json: bool) -> None:
     async def main() -> list[ThreadEntry]:
         from artifactr.core import NotFound
 
-        from relayr.parts import opened_artifacts
+        from relayr.runtime.parts import opened_artifacts
 
         async with opened_artifacts(settings) as artifacts:
             handle = await artifacts.open(

@@ -1,6 +1,6 @@
 """What the console's buttons do: the command line's own operations on runs, nothing else.
 
-Each action is the call ``relayr runs`` makes (:mod:`relayr.ops`), with the same enqueue
+Each action is the call ``relayr runs`` makes (:mod:`relayr.ops.runs`), with the same enqueue
 (:func:`relayr.cli.runs.enqueuer`, handed in by ``relayr console``), so a run retried from the
 browser is retried exactly as ``relayr runs retry`` retries it: reflexr's operator retry, then
 an enqueue that rides out a broker restart and, when the broker stays down, leaves the run
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Final
 
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops import Done, EnqueueRun, cancel, find_runs, retry, skip
-from relayr.run_rows import RunRow, list_runs
-from relayr.runtime import Runtime
+from relayr.ops.rows import RunRow, list_runs
+from relayr.ops.runs import Done, EnqueueRun, cancel, find_runs, retry, skip
+from relayr.runtime.process import Runtime
 
 from .queries import RunQuery
 
@@ -109,7 +109,8 @@ async def confirm_retry(
 async def _find(
     runtime: Runtime, named: Sequence[tuple[WorkspaceKey | None, str]]
 ) -> tuple[list[RunRow], list[Done]]:
-    """The runs named, and a refusal for each that does not exist (:func:`relayr.ops.find_runs`).
+    """The runs named, and a refusal for each that does not exist
+    (:func:`relayr.ops.runs.find_runs`).
 
     A page shows each refusal next to the other runs' results; the command line refuses them
     all before acting instead, since it was typed (a typo), where a page's form names what a

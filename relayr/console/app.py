@@ -39,9 +39,9 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops import Done, EnqueueRun, not_enqueued
-from relayr.run_rows import AmbiguousRun
-from relayr.runtime import Runtime
+from relayr.ops.rows import AmbiguousRun
+from relayr.ops.runs import Done, EnqueueRun, not_enqueued
+from relayr.runtime.process import Runtime
 from relayr.settings import redact
 
 from . import actions, reads

@@ -17,7 +17,7 @@ from urllib.parse import urlencode
 from relayr.core import parsing
 from relayr.core.errors import RelayrError
 from relayr.ledger.port import WorkspaceKey
-from relayr.run_rows import RunFilter
+from relayr.ops.rows import RunFilter
 
 STATUS_FILTERS: Final = {
     "dead": "dead",
@@ -141,7 +141,7 @@ class RunQuery:
         )
 
     def run_filter(self, now: datetime, *, limit: int | None) -> RunFilter:
-        """The filter :func:`relayr.run_rows.list_runs` takes, as ``relayr runs list`` builds it."""
+        """The filter :func:`relayr.ops.rows.list_runs` takes, as ``relayr runs list`` builds it."""
         return RunFilter(
             status=None if self.status is None else STATUS_FILTERS[self.status],
             rule=self.rule,

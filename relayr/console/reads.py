@@ -1,9 +1,9 @@
 """What the console's pages show, read with the calls the command line makes.
 
 Each page's data comes from the engine functions behind the matching command, so the console
-and the CLI never disagree about a run: the runs page is :func:`relayr.run_rows.list_runs`
-(``relayr runs list``), a run's page :func:`relayr.run_report.show_run` (``relayr runs show``)
-plus the events that fired it, a thread :func:`relayr.transcript.read_thread` (``relayr thread
+and the CLI never disagree about a run: the runs page is :func:`relayr.ops.rows.list_runs`
+(``relayr runs list``), a run's page :func:`relayr.ops.report.show_run` (``relayr runs show``)
+plus the events that fired it, a thread :func:`relayr.ops.transcript.read_thread` (``relayr thread
 show``), the allowlist ``explain`` for every rule with the file's warnings (``relayr allowlist
 check|explain``), and health the checks of ``relayr health`` with the broker's queue depth and
 the followers' status (``relayr follow status``).
@@ -21,11 +21,12 @@ from artifactr import SystemActor as ArtifactSystemActor
 from artifactr.core import NotFound as ArtifactNotFound
 from reflexr.workspace import WorkspaceRef
 
-from relayr.allowlist_file import load_allowlist
 from relayr.broker import queue_depth
 from relayr.core.errors import InvalidAllowlist, Problem
+from relayr.follow.follower import followers_of
 from relayr.follow.reports import WorkspaceStatus
-from relayr.health import (
+from relayr.ledger.port import WorkspaceKey
+from relayr.observe.health import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_TIMEOUT_S,
     Check,
@@ -35,12 +36,11 @@ from relayr.health import (
     check_supervisor,
     heartbeat_path,
 )
-from relayr.ledger.port import WorkspaceKey
-from relayr.ops import followers_of
-from relayr.run_report import RunReport, show_run
-from relayr.run_rows import RunRow, find_run, list_runs
-from relayr.runtime import Runtime
-from relayr.transcript import ThreadEntry, read_thread
+from relayr.ops.report import RunReport, show_run
+from relayr.ops.rows import RunRow, find_run, list_runs
+from relayr.ops.transcript import ThreadEntry, read_thread
+from relayr.runtime.allowlist_file import load_allowlist
+from relayr.runtime.process import Runtime
 
 from .queries import PAGE_SIZE, RunQuery
 
@@ -67,7 +67,7 @@ QUEUE_DEPTH_TIMEOUT_S: Final = DEFAULT_TIMEOUT_S
 
 @dataclass(frozen=True)
 class RunsPage:
-    """One page of the runs list, newest created first (:func:`relayr.run_rows.list_runs`: a page
+    """One page of the runs list, newest created first (:func:`relayr.ops.rows.list_runs`: a page
     shows the runs the pages before it did not)."""
 
     query: RunQuery

@@ -13,7 +13,7 @@ from typing import Final
 
 import jinja2
 
-from relayr.transcript import marker
+from relayr.ops.transcript import marker
 
 from . import reads
 from .queries import PAGE_SIZE, STATUS_FILTERS, STATUS_HELP, href

@@ -9,7 +9,7 @@ revokes what ``[namespaces.ops]`` would give, and adding an entry can never wide
 entry does not mention.
 
 The file's text is parsed and validated by :mod:`relayr.core.allowlist_toml`; the file itself is
-read, and reloaded when it changes, by the engine (:mod:`relayr.allowlist_file`).
+read, and reloaded when it changes, by the engine (:mod:`relayr.runtime.allowlist_file`).
 """
 
 from collections.abc import Iterable, Mapping

@@ -2,7 +2,8 @@
 
 Messages are lower case and name the ids involved, so a log line or a CLI error says what is
 wrong without a stack trace. A refusal of a rule's write is not one of these: it is a reflexr
-``RunFailure`` (see :mod:`relayr.actions`), because reflexr's retry policy decides what happens
+``RunFailure`` (see :mod:`relayr.execution.actions`), because reflexr's retry policy decides what
+happens
 to the run.
 """
 

@@ -9,7 +9,8 @@ that :func:`relayr.core.refusals.classify` passes through (``validation_failed``
 
 Whether a reason is permanent (no retry can help, so the rule's retry policy is skipped) is
 decided where the failure is made: :mod:`relayr.core.refusals` for a write,
-:mod:`relayr.attempts`, :mod:`relayr.invocation` and :mod:`relayr.execution` for an attempt.
+:mod:`relayr.execution.attempts`, :mod:`relayr.execution.invocation` and
+:mod:`relayr.execution.runs` for an attempt.
 ADR-0060 lists them with the why.
 
 The lost-attempt count (ADR-0022) travels in the error of an abandoned attempt, the only field
@@ -78,7 +79,7 @@ INVALID_STATE: Final = "invalid_state"
 Permanent."""
 
 STORAGE_UNAVAILABLE: Final = "storage_unavailable"
-"""The storage kept failing past relayr's own bounded retries (:mod:`relayr.transient`): the
+"""The storage kept failing past relayr's own bounded retries (:mod:`relayr.runtime.transient`): the
 database is down, locked or unreachable. Retried by the rule's policy."""
 
 # -- an attempt, as the executor ends it -----------------------------------------------------

@@ -6,7 +6,7 @@ refusal names what is wrong. :func:`route` answers for a post (a notice, a send,
 allowlist routes), :func:`may_create_thread` for a new thread, :func:`is_direct` for an artifact
 write; :func:`content_refusal` and :func:`id_refusal` check what storage can hold. Each returns
 a decision or a :class:`~relayr.core.refusals.Refusal` with a reason from
-:mod:`relayr.core.reasons`; :class:`relayr.actions.RunActions` asks, then writes.
+:mod:`relayr.core.reasons`; :class:`relayr.execution.actions.RunActions` asks, then writes.
 
 Pure: the allowlist in force, the run's chain of threads and the request in, a decision out.
 """

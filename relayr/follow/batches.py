@@ -27,13 +27,13 @@ from reflexr.workspace import Access, Entry, WorkspaceRef
 from reflexr.workspace import Workspaces as RuleWorkspaces
 from reflexr.workspace.workspace import meet_rules
 
-from relayr import telemetry
 from relayr.follow.chains import CauseMissing, Chains
 from relayr.follow.events import FOLLOWER
 from relayr.follow.projections import Projection, Source, event_type
 from relayr.follow.reports import CAUSE_MISSING, DEPTH_EXCEEDED, PROJECTION_FAILED
 from relayr.follow.store import DeadLetter
 from relayr.ledger.port import Ledger, WorkspaceKey
+from relayr.observe import telemetry
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span

@@ -7,7 +7,7 @@
   writer's); ADR-0023 commits it no later than the write. A rule's write whose cause the ledger
   lacks is :data:`MISSING`: bridged as a chain of its own, it would escape the depth limit.
 - An envelope a turn of the agent wrote (its ``run_id`` is set) continues the chain of the
-  newest message its turn carried out that a run posted (:func:`relayr.turns.newest_cause`,
+  newest message its turn carried out that a run posted (:func:`relayr.ledger.turns.newest_cause`,
   ADR-0026), as the turn's ``run_started`` names them: kept from the batches read, or read back
   from the thread for a turn whose start came before the follower's cursor (a restart).
 - Anything else starts a chain of its own (None): what a person writes, a person's resolution
@@ -29,7 +29,7 @@ from artifactr.core import Envelope as ArtifactrEnvelope
 
 from relayr.follow.projections import event_type
 from relayr.ledger.port import Cause, Ledger, WorkspaceKey, WriteKind, revision_key
-from relayr.turns import newest_cause
+from relayr.ledger.turns import newest_cause
 
 logger = structlog.get_logger("relayr.follow")
 
@@ -44,7 +44,8 @@ thread is read backwards for it, this many envelopes at a time, at most this man
 turn whose start is further back continues no chain."""
 
 RULE_CLIENT_PREFIX: Final = "reflexr:"
-"""The client id of a rule's participant in artifactr: ``reflexr:<rule>`` (relayr.participant)."""
+"""The client id of a rule's participant in artifactr: ``reflexr:<rule>``
+(relayr.execution.participant)."""
 
 _RULE_WRITES: Final[Mapping[str, tuple[WriteKind, str]]] = {
     "message_posted": ("message", "message_id"),
@@ -52,8 +53,8 @@ _RULE_WRITES: Final[Mapping[str, tuple[WriteKind, str]]] = {
     "proposal_created": ("proposal", "proposal_id"),
 }
 """Under which key the ledger holds the cause of each kind of write a rule makes by an id derived
-from its run (:mod:`relayr.actions`): the kind of write and the event's field that names it. A
-direct write to an artifact is found by the revision it made (:func:`rule_write`)."""
+from its run (:mod:`relayr.execution.actions`): the kind of write and the event's field that
+names it. A direct write to an artifact is found by the revision it made (:func:`rule_write`)."""
 
 
 class CauseMissing:

@@ -2,7 +2,7 @@
 
 :class:`Inbound` is ``Application.inbound``. Left out, relayr follows every artifactr workspace
 of every tenant reflexr's storage knows (the tenants where a rule can run), with the default
-projections. This module imports neither library, so :mod:`relayr.application` can name it.
+projections. This module imports neither library, so :mod:`relayr.runtime.application` can name it.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Final, Self
+from typing import TYPE_CHECKING, Final, Self
 
 import structlog
 from artifactr import SystemActor as ArtifactSystemActor
@@ -44,8 +44,6 @@ from artifactr import Workspace as ArtifactWorkspace
 from artifactr import Workspaces as ArtifactWorkspaces
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr import telemetry
-from relayr.application import Application
 from relayr.follow.batches import Batches
 from relayr.follow.config import Inbound
 from relayr.follow.projections import PROJECTIONS
@@ -58,6 +56,11 @@ from relayr.follow.store import (
     workspace_order,
 )
 from relayr.ledger.port import Ledger, WorkspaceKey
+from relayr.observe import telemetry
+from relayr.runtime.application import Application
+
+if TYPE_CHECKING:
+    from relayr.runtime.process import Runtime
 
 logger = structlog.get_logger("relayr.follow")
 
@@ -418,3 +421,16 @@ class Followers:
                 key.tenant_id, key.workspace_id, actor=ARTIFACTR_FOLLOWER
             )
         return handle
+
+
+def followers_of(runtime: "Runtime") -> "Followers":
+    """The followers of the runtime's application, holding leases as the runtime's process
+    (``relayr follow``, the console's health page, and the dispatcher when it follows).
+    artifactr is imported here, when called: listing and changing runs loads reflexr alone
+    (ADR-0050)."""
+    return Followers.of(
+        runtime.application,
+        runtime.bridge.ledger,
+        holder=runtime.holder,
+        lease_ttl_s=runtime.settings.lease_ttl_s,
+    )

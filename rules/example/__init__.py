@@ -24,7 +24,8 @@ in the chain of the run that caused it, so a loop of them would stop at reflexr'
   own page says ``@on-call`` too;
 - ``ops:incident-scribe``: on ``artifactr:turn_ended`` (completed), an agent-driven rule
   (:mod:`rules.example.scribe`): an offline model that acts through the run's tools
-  (:mod:`relayr.agent_tools`) proposes a triage note, then posts a notice naming the proposal.
+  (:mod:`relayr.execution.agent_tools`) proposes a triage note, then posts a notice naming the
+  proposal.
 
 Decisions:
 
@@ -52,8 +53,8 @@ only), and a worker the whole :func:`create_app`. The pieces' names are also thi
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from relayr.application import Application, open_storage
-from relayr.parts import (
+from relayr.runtime.application import Application, open_storage
+from relayr.runtime.parts import (
     ArtifactsPart,
     RulesPart,
     open_artifact_storage,
@@ -213,13 +214,15 @@ def artifact_workspaces(storage: "ArtifactStorage") -> "ArtifactWorkspaces":
 
 
 async def create_rules(settings: Settings) -> RulesPart:
-    """The example's rules part (:mod:`relayr.parts`): for publishing, and for ops on runs."""
+    """The example's rules part (:mod:`relayr.runtime.parts`): for publishing, and for ops on
+    runs."""
     storage = await open_rule_storage(settings)
     return RulesPart(rule_workspaces(storage.storage), storage.engines)
 
 
 async def create_artifacts(settings: Settings) -> ArtifactsPart:
-    """The example's artifacts part (:mod:`relayr.parts`): for creating and reading threads."""
+    """The example's artifacts part (:mod:`relayr.runtime.parts`): for creating and reading
+    threads."""
     storage = await open_artifact_storage(settings)
     return ArtifactsPart(artifact_workspaces(storage.storage), storage.engines)
 

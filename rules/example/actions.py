@@ -1,7 +1,8 @@
 """The example's actions: post the deploy notice, send the triage message, and answer what the
 follower bridges (a follow-up, a page, the scribe's write-up).
 
-Each acts as its rule's own participant through :func:`relayr.actions.acting`, with ids derived
+Each acts as its rule's own participant through :func:`relayr.execution.actions.acting`, with ids
+derived
 from the run, so a retried attempt writes nothing twice. Only workers import this module.
 """
 
@@ -11,10 +12,10 @@ from typing import Final
 from reflexr import Event
 from reflexr.workspace import Reaction, RunFailure
 
-from relayr.actions import acting
-from relayr.agent_tools import RuleTools
-from relayr.bridge import Bridge
+from relayr.execution.actions import acting
+from relayr.execution.agent_tools import RuleTools
 from relayr.follow.events import MessagePosted, TurnEnded
+from relayr.runtime.bridge import Bridge
 from rules.example.events import DeployFinished, IncidentOpened
 from rules.example.scribe import SCRIBE
 

@@ -1,7 +1,8 @@
 """The example's agent-driven rule: a scribe whose offline model acts through the run's tools.
 
 When the triage turn of an incident thread ends, rule ``ops:incident-scribe`` hands the turn's
-end to an agent whose tools are the run's own writes (:mod:`relayr.agent_tools`): it proposes a
+end to an agent whose tools are the run's own writes (:mod:`relayr.execution.agent_tools`): it
+proposes a
 triage note (an artifact of kind ``triage_note``; the allowlist grants the rule no direct
 writes, so a person reviews it), then posts a notice that names the proposal. Its model is a
 function (pydantic-ai's ``FunctionModel``) that makes those two tool calls and answers, so the
@@ -28,7 +29,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from relayr.agent_tools import RuleCapability, RuleTools
+from relayr.execution.agent_tools import RuleCapability, RuleTools
 from rules.example.agent import TriageNote
 
 SCRIBE_TOOL_CALLS: Final = 2

@@ -26,7 +26,7 @@ from reflexr import run as action
 from reflexr.workspace import Reaction
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.application import Application, open_storage
+from relayr.runtime.application import Application, open_storage
 from relayr.settings import Settings
 from rules.example import (
     ACTIONS,

@@ -30,8 +30,8 @@ from artifactr.core import MessagePosted, RunEnded, RunStarted
 
 from relayr.demo import CLI_USER, DEMO_PUBLISHER
 from relayr.ledger.port import WorkspaceKey
-from relayr.runtime import Runtime
-from relayr.turns import turn_cause
+from relayr.ledger.turns import turn_cause
+from relayr.runtime.process import Runtime
 from rules.example import DEPLOY_NOTICE, INCIDENT_TRIAGE
 from tests.faults.constants import RULE_AUTHOR_PREFIX, TAKEN_CURSOR, TENANT, WORKSPACE
 

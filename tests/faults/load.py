@@ -29,7 +29,7 @@ from reflexr import Event
 from reflexr.core import FINISHED
 
 from relayr.demo import CLI_USER, DEMO_PUBLISHER, Plan, publish_scenario
-from relayr.runtime import Runtime
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from rules.example import DEPLOY_NOTICE, INCIDENT_TRIAGE, DeployFinished, IncidentOpened
 from tests.faults.app import POISON_RULE, Poisoned

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from relayr.batch import RunBatch
-from relayr.dispatch import Dispatcher
-from relayr.runtime import Runtime
+from relayr.core.run_messages import RunBatch
+from relayr.dispatch.dispatcher import Dispatcher
+from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
 from tasks.runs import RUN_OUTCOME_LINES, send_runs

@@ -1,0 +1,1 @@
+"""Deciding: wake on new events, evaluate rules, hand due runs out to the workers."""

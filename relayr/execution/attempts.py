@@ -1,0 +1,415 @@
+"""The transactions that start and end attempts of runs, many runs per transaction.
+
+reflexr's store is the truth about a run (its status, attempts, epoch and lease), so each step
+re-reads what it changes, in one transaction on the run's workspace, which reflexr serialises
+with every other transaction on that workspace:
+
+- :func:`claim` starts an attempt of each run that is due (and first in its scope, for a rule
+  ordered by scope), for all the runs a task names at once. The caller holds each run's lease.
+  A ``running`` run whose lease the caller could take was left by an executor that stopped:
+  its attempt is recorded as failed, reason ``abandoned`` (``worker_lost`` after too many in a
+  row); anything else that is not due is left alone (``not_due``, ``missing``).
+- :func:`complete` records the outcomes of the attempts that ended, each only if it is still
+  the run's current attempt (``dropped`` otherwise), and in the same transaction starts the
+  next run of each scope that a finished run held back
+  (:class:`relayr.execution.outcomes.ScopeOrder`),
+  so a scope ordered by scope goes on without a trip through the broker.
+
+Each step is tried again after a transient fault (:mod:`relayr.runtime.transient`), and a fault
+during
+COMMIT may hide a commit that took effect (a connection lost as PostgreSQL committed). The next
+try would meet that work as if another executor had done it: an attempt it started would look
+abandoned, a run it finished no longer current. So the tries of one step share a
+:class:`relayr.execution.tries.Tries`, which finds the last try's commit and returns that try's
+result.
+
+A scope's order is read once, when its first run is claimed: reading every unfinished run of a
+scope for each claim would cost time that grows with the scope's backlog. Later claims in the
+scope re-read only the runs before the claimed one that had not succeeded, which is exact: a
+run fired later always comes later in the scope's order (its ``fired_seq`` is the seq of a
+newer envelope), and a run that succeeded never runs again (ADR-0024).
+"""
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+
+from reflexr.core import (
+    FINISHED,
+    WAITING,
+    Envelope,
+    Rule,
+    Run,
+    RunCancelled,
+    RunDeadLettered,
+    RunRetrying,
+    RunStarted,
+    RunSucceeded,
+    cancel,
+    fail,
+    new_event_id,
+    runnable,
+    start,
+    succeed,
+)
+from reflexr.workspace import REACTOR, Entry, Transaction, WorkspaceRef, Workspaces
+
+from relayr.core import reasons
+from relayr.execution.outcomes import (
+    Claimed,
+    Completion,
+    Executed,
+    Finished,
+    RunOutcome,
+    ScopeOrder,
+    missing,
+)
+from relayr.execution.tries import Tries
+from relayr.observe import metrics
+
+type _Fact = RunStarted | RunSucceeded | RunRetrying | RunDeadLettered | RunCancelled
+
+
+class NothingThere(Exception):
+    """Raised inside a transaction that found none of its runs, so it rolls back: reflexr's
+    storage records a workspace when a transaction on it commits, and a task naming a workspace
+    that does not exist must leave nothing behind."""
+
+
+class _Changes:
+    """The runs a transaction changed and their ``reflexr:*`` facts, saved together at its end."""
+
+    def __init__(self) -> None:
+        self.runs: list[Run] = []
+        self.facts: list[Entry] = []
+
+    def record(self, run: Run, fact: _Fact) -> None:
+        self.runs.append(run)
+        self.facts.append(
+            Entry(
+                id=new_event_id(),
+                actor=REACTOR,
+                event=fact,
+                causation=run.causation,
+                correlation_id=run.correlation_id,
+            )
+        )
+
+    async def save(self, transaction: Transaction) -> None:
+        if self.runs:
+            await transaction.save_runs(self.runs)
+            await transaction.append(self.facts)
+
+
+async def claim(
+    rules: Workspaces,
+    ref: WorkspaceRef,
+    run_ids: Sequence[str],
+    *,
+    max_lost: int,
+    tries: Tries[dict[str, Claimed | Executed]] | None = None,
+) -> dict[str, Claimed | Executed]:
+    """Start an attempt of every run of ``run_ids`` that can start, in one transaction.
+
+    ``tries`` is shared by the tries of one claim (see the module).
+
+    Raises:
+        NothingThere: If no run of ``run_ids`` exists (the transaction rolls back).
+    """
+    tries = Tries() if tries is None else tries
+    async with rules.storage.transaction(ref) as transaction:
+        claims = await tries.committed(transaction)
+        if claims is None:
+            changes = _Changes()
+            claims = await _claim_all(rules, transaction, changes, ref, run_ids, max_lost=max_lost)
+            await changes.save(transaction)
+            tries.about_to_commit(changes.runs, claims)
+    _lagged(claims.values())
+    return claims
+
+
+async def _claim_all(
+    rules: Workspaces,
+    transaction: Transaction,
+    changes: _Changes,
+    ref: WorkspaceRef,
+    run_ids: Sequence[str],
+    *,
+    max_lost: int,
+) -> dict[str, Claimed | Executed]:
+    now = rules.clock()
+    found = await rules.rules_in(transaction)
+    claims: dict[str, Claimed | Executed] = {}
+    orders: dict[tuple[str, str], ScopeOrder] = {}
+    for run_id in run_ids:
+        run = await transaction.run(run_id)
+        if run is None:
+            claims[run_id] = missing(ref, run_id)
+            continue
+        rule = found.get(run.rule)
+        if rule is None:
+            claims[run_id] = _cancel_orphan(changes, run, now)
+            continue
+        order = None
+        if rule.rule.ordering == "scope" and run.status in WAITING:
+            key = (run.rule, run.scope_key)
+            if key not in orders:
+                scope = await transaction.scope_runs(run.rule, run.scope_key)
+                orders[key] = ScopeOrder(scope)
+            order = orders[key]
+        claims[run_id] = await _claim_one(
+            transaction, changes, run, rule.rule, now, order, max_lost=max_lost, fresh=True
+        )
+    if all(isinstance(c, Executed) and c.outcome == "missing" for c in claims.values()):
+        raise NothingThere(f"none of the runs {', '.join(run_ids)} exists in {ref}")
+    return claims
+
+
+async def complete(
+    rules: Workspaces,
+    ref: WorkspaceRef,
+    finished: Sequence[Finished],
+    *,
+    max_lost: int,
+    tries: Tries[Completion] | None = None,
+) -> Completion:
+    """Record each attempt's outcome, and start the successors the scopes may go on with.
+
+    An outcome is recorded only if its attempt is still the run's current one. A successor
+    starts only if, with its predecessor's outcome recorded, it is due and first in its scope.
+    ``tries`` is shared by the tries of one completion (see the module).
+    """
+    tries = Tries() if tries is None else tries
+    async with rules.storage.transaction(ref) as transaction:
+        completion = await tries.committed(transaction)
+        if completion is None:
+            now = rules.clock()
+            changes, follow = _Changes(), _Changes()
+            executed: dict[str, Executed] = {}
+            for done in finished:
+                executed[done.claimed.run.id] = await _complete_one(transaction, changes, done, now)
+            await changes.save(transaction)  # the successors' claims read these outcomes
+            started, abandoned = await _successors(
+                transaction, follow, finished, executed, now, max_lost=max_lost
+            )
+            await follow.save(transaction)
+            completion = Completion(executed, started, abandoned)
+            tries.about_to_commit([*changes.runs, *follow.runs], completion)
+    _lagged(completion.started)
+    return completion
+
+
+async def _successors(
+    transaction: Transaction,
+    follow: _Changes,
+    finished: Sequence[Finished],
+    executed: dict[str, Executed],
+    now: datetime,
+    *,
+    max_lost: int,
+) -> tuple[list[Claimed], dict[str, Executed]]:
+    """Start the run each finished one's scope goes on with; say which started, and which
+    were found abandoned."""
+    started: list[Claimed] = []
+    abandoned: dict[str, Executed] = {}
+    for done in finished:
+        order = done.claimed.order
+        if done.successor is None or order is None:
+            continue
+        outcome = executed[done.claimed.run.id]
+        if outcome.run is not None and outcome.run.status == "succeeded":
+            order.succeeded.add(outcome.run.id)
+        run = await transaction.run(done.successor)
+        if run is None:
+            continue
+        # the rule as the claim read it: only a code rule is ordered by scope (reflexr keeps
+        # stored rules unordered and enabled), and a code rule changes only with the process
+        claimed = await _claim_one(
+            transaction, follow, run, done.claimed.rule, now, order, max_lost=max_lost
+        )
+        if isinstance(claimed, Claimed):
+            started.append(claimed)
+        elif claimed.outcome == "abandoned":
+            abandoned[run.id] = claimed
+    return started, abandoned
+
+
+def _lagged(claims: Iterable[Claimed | Executed]) -> None:
+    """Count how late each started attempt began, once its start committed."""
+    for claimed in claims:
+        if isinstance(claimed, Claimed):
+            run = claimed.run  # started at updated_at; starting leaves next_attempt_at
+            metrics.record_dispatch_lag((run.updated_at - run.next_attempt_at).total_seconds())
+
+
+async def fail_for_good(
+    rules: Workspaces,
+    ref: WorkspaceRef,
+    run_id: str,
+    *,
+    reason: str,
+    error: str,
+    tries: Tries[Executed] | None = None,
+) -> Executed:
+    """Record the run's current attempt as failed for good (see
+    :func:`relayr.execution.executor.fail_run`).
+
+    Raises:
+        NothingThere: If the run does not exist (the transaction rolls back).
+    """
+    tries = Tries() if tries is None else tries
+    async with rules.storage.transaction(ref) as transaction:
+        executed = await tries.committed(transaction)
+        if executed is None:
+            changes = _Changes()
+            executed = await _fail_one(
+                rules, transaction, changes, ref, run_id, reason=reason, error=error
+            )
+            await changes.save(transaction)
+            tries.about_to_commit(changes.runs, executed)
+    return executed
+
+
+async def _fail_one(
+    rules: Workspaces,
+    transaction: Transaction,
+    changes: _Changes,
+    ref: WorkspaceRef,
+    run_id: str,
+    *,
+    reason: str,
+    error: str,
+) -> Executed:
+    now = rules.clock()
+    run = await transaction.run(run_id)
+    if run is None:
+        raise NothingThere(f"run {run_id} does not exist in {ref}")
+    found = (await rules.rules_in(transaction)).get(run.rule)
+    if found is None:
+        return _cancel_orphan(changes, run, now)
+    if run.status not in WAITING and run.status != "running":
+        return Executed("not_due", run, f"run {run_id} is {run.status}: nothing to fail")
+    if run.status in WAITING:
+        run, started = start(run, now=now)
+        changes.record(run, started)
+    failed, dead = fail(run, found.rule, now=now, error=error, reason=reason, permanent=True)
+    changes.record(failed, dead)
+    return Executed(
+        "dead", failed, f"attempt {failed.attempts} of run {run_id} failed for good: {reason}"
+    )
+
+
+async def _claim_one(
+    transaction: Transaction,
+    changes: _Changes,
+    run: Run,
+    rule: Rule,
+    now: datetime,
+    order: ScopeOrder | None,
+    *,
+    max_lost: int,
+    fresh: bool = False,
+) -> Claimed | Executed:
+    """Start an attempt of ``run`` if it can start now; ``fresh`` when ``order`` was read in
+    this transaction (else the runs before ``run`` are read again)."""
+    if not rule.enabled:
+        return Executed("not_due", run, f"run {run.id} waits: rule {rule.name} is disabled")
+    if run.status == "running":
+        return _abandon(changes, run, rule, now, max_lost=max_lost)
+    if run.status not in WAITING:
+        return Executed("not_due", run, f"run {run.id} is {run.status}")
+    if run.next_attempt_at > now:
+        return Executed("not_due", run, f"run {run.id} is due at {run.next_attempt_at.isoformat()}")
+    if order is not None:
+        scope = order.runs if fresh else await _scope_before(transaction, order, run)
+        if run.id not in {r.id for r in runnable(scope, rule, now=now)}:
+            return Executed("not_due", run, f"run {run.id} waits: it is not first in its scope")
+    started, begun = start(run, now=now)
+    changes.record(started, begun)
+    events: list[Envelope] = []
+    for seq in started.matched:
+        events.extend(await transaction.read(after_seq=seq - 1, limit=1))
+    return Claimed(started, rule, tuple(events), order)
+
+
+async def _scope_before(transaction: Transaction, order: ScopeOrder, run: Run) -> list[Run]:
+    """The scope's unfinished runs up to ``run``, read now: ``run`` and every run before it
+    that is not known to have succeeded (the rest cannot hold it back, see the module)."""
+    scope: list[Run] = []
+    for run_id in order.before(run.id):
+        earlier = await transaction.run(run_id)
+        if earlier is None or earlier.status == "succeeded":
+            order.succeeded.add(run_id)
+        else:
+            scope.append(earlier)
+    return [*scope, run]
+
+
+def _abandon(changes: _Changes, run: Run, rule: Rule, now: datetime, *, max_lost: int) -> Executed:
+    """Record a leftover ``running`` attempt as failed: the caller holds the run's lease, so
+    the executor of that attempt stopped renewing it. Past ``max_lost`` such attempts in a row
+    the run fails for good (``worker_lost``): an action that kills its worker would otherwise
+    kill one worker per attempt of its retry policy."""
+    lost = reasons.lost_in_a_row(run.reason, run.error) + 1
+    error = reasons.abandoned_error(lost)
+    failed, fact = (
+        fail(run, rule, now=now, error=error, reason=reasons.WORKER_LOST, permanent=True)
+        if lost > max_lost
+        else fail(run, rule, now=now, error=error, reason=reasons.ABANDONED)
+    )
+    changes.record(failed, fact)
+    return Executed(
+        "abandoned",
+        failed,
+        f"attempt {run.attempts} of run {run.id} was abandoned by its executor: "
+        f"recorded as failed, the run is {failed.status}",
+    )
+
+
+async def _complete_one(
+    transaction: Transaction, changes: _Changes, done: Finished, now: datetime
+) -> Executed:
+    run, ended = done.claimed.run, done.ended
+    current = await transaction.run(run.id)
+    if current is None or not current.is_running(run.epoch):
+        status = "gone" if current is None else current.status
+        return Executed(
+            "dropped",
+            current,
+            f"attempt {run.attempts} of run {run.id} is no longer current (the run is "
+            f"{status}): its {ended.kind} outcome was not recorded",
+        )
+    fact: _Fact
+    if ended.kind == "succeeded":
+        finished, fact = succeed(current, now=now, output=ended.output)
+    else:
+        finished, fact = fail(
+            current,
+            done.claimed.rule,
+            now=now,
+            error=ended.error,
+            reason=ended.reason,
+            permanent=ended.permanent,
+        )
+    changes.record(finished, fact)
+    detail = f"attempt {finished.attempts} of run {finished.id} {finished.status}"
+    if ended.kind == "failed":
+        detail += f": {ended.error}" + (f" ({ended.reason})" if ended.reason else "")
+    outcome: RunOutcome = (
+        "succeeded"
+        if finished.status == "succeeded"
+        else "dead"
+        if finished.status == "dead"
+        else "retrying"
+    )
+    return Executed(outcome, finished, detail)
+
+
+def _cancel_orphan(changes: _Changes, run: Run, now: datetime) -> Executed:
+    """Cancel a run whose rule the workspace no longer has, so it stops being due."""
+    if run.status in FINISHED:
+        return Executed("not_due", run, f"run {run.id} is {run.status}")
+    cancelled, fact = cancel(run, now=now, reason=reasons.RULE_GONE)
+    changes.record(cancelled, fact)
+    return Executed(
+        "cancelled", cancelled, f"run {run.id} was cancelled: its rule {run.rule} is gone"
+    )

@@ -1,0 +1,370 @@
+"""One message's runs in one workspace, executed: their leases, one claim, their actions run
+concurrently, their outcomes recorded in groups, and their scopes gone on with.
+
+:func:`relayr.execution.executor.execute_runs` makes a :class:`Batch` of each message; its module
+says
+what each step guarantees. A run's lease is taken before its claim, renewed while its action
+runs, and released when the message is done with the run (at once if it did not start); the
+lease of a run that succeeded is left to lapse (ADR-0002). The runs of a scope a message goes
+on with are bounded (:data:`SCOPE_BUDGET_RUNS`, :data:`SCOPE_BUDGET_S`), and the outcomes of
+actions that end together share a transaction (:data:`GROUP_LINGER_S`).
+"""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+from reflexr import AgentActor as RuleAgentActor
+from reflexr.core import Forbidden, Run
+from reflexr.workspace import Reaction, RunFailure, WorkspaceRef, run_lease
+
+from relayr.core import reasons
+from relayr.execution import attempts, invocation, outcomes
+from relayr.execution.actions import pending_writes
+from relayr.execution.attempts import NothingThere
+from relayr.execution.outcomes import Claimed, Completion, Ended, Executed, Finished
+from relayr.execution.tries import Tries
+from relayr.ledger.port import LedgerWrites
+from relayr.observe import metrics, telemetry
+from relayr.runtime.process import Runtime
+from relayr.runtime.transient import retried
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+SCOPE_BUDGET_RUNS: Final = 500
+"""How many runs of one scope a message may go on with after the run it names. Bounded so one
+busy scope cannot hold a pool process for good while other workspaces' messages wait."""
+
+SCOPE_BUDGET_S: Final = 10.0
+"""How long a message may go on with one scope's runs, for the same reason; the dispatcher's
+next pass hands the scope's next run to the queue when the budget ends."""
+
+GROUP_LINGER_S: Final = 0.1
+"""How long the outcome of an action that ended waits for the others of its message to end
+too, so they are recorded in one transaction: a message's notices end within tens of
+milliseconds of each other; an action that takes longer is recorded in a later group."""
+
+logger = structlog.get_logger("relayr.executor")  # one logger for the whole executor
+
+
+@dataclass
+class _Budget:
+    """What a message may still spend going on with one scope."""
+
+    runs: int = SCOPE_BUDGET_RUNS
+    until: float = field(default_factory=lambda: time.monotonic() + SCOPE_BUDGET_S)
+
+    def take(self) -> bool:
+        if self.runs <= 0 or time.monotonic() >= self.until:
+            return False
+        self.runs -= 1
+        return True
+
+
+@dataclass
+class _Running:
+    """An attempt whose action runs: when it began, and its reaction (for its ledger rows)."""
+
+    claimed: Claimed
+    reaction: Reaction[Any] | None
+    began: float
+
+
+class Batch:
+    """The runs of one message, in one workspace, and the leases this executor holds on them."""
+
+    def __init__(self, runtime: Runtime, ref: WorkspaceRef) -> None:
+        self.runtime = runtime
+        self.ref = ref
+        self.rules = runtime.application.rules
+        self.storage = self.rules.storage
+        self.ttl = timedelta(seconds=runtime.settings.lease_ttl_s)
+        self.max_lost = runtime.settings.max_redeliveries
+        self.results: dict[str, Executed] = {}
+        self.held: set[str] = set()
+        self.succeeded: set[str] = set()
+        self.here: set[tuple[str, str, str]] = set()
+        self.budgets: dict[tuple[str, str], _Budget] = {}
+        self.spans: dict[str, Span] = {}
+
+    async def execute(self, run_ids: list[str]) -> list[Executed]:
+        running: dict[asyncio.Task[Ended], _Running] = {}
+        try:
+            leased = [run_id for run_id in run_ids if await self._lease(run_id)]
+            if leased:
+                for claimed in await self._claim(leased):
+                    self._start(claimed, running)
+            await self._finish(running)
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            await self._release(self.held - self.succeeded)
+            self.runtime.executing.difference_update(self.here)
+            for span in self.spans.values():  # cancelled with their message: nothing recorded
+                telemetry.end(span, {telemetry.OUTCOME: "interrupted"})
+        return [self.results[run_id] for run_id in run_ids] + [
+            executed for run_id, executed in self.results.items() if run_id not in run_ids
+        ]
+
+    async def _lease(self, run_id: str) -> bool:
+        """Take a named run's lease; record it ``contended`` if another executor has it."""
+        refused = await self._take(run_id)
+        if refused is not None:
+            self._ended(run_id, Executed("contended", None, f"{refused}: left alone"))
+        return refused is None
+
+    async def _take(self, run_id: str) -> str | None:
+        """Take the run's lease; say why not if this process or another executor has it."""
+        here = (self.ref.tenant_id, self.ref.workspace_id, run_id)
+        if here in self.runtime.executing:
+            # Our own lease would be renewed, not refused: tell this process's executors apart.
+            return f"run {run_id} is being executed in this process"
+        self.runtime.executing.add(here)
+        self.here.add(here)
+        key, holder = run_lease(run_id), self.runtime.holder
+        if not await retried(lambda: self.storage.acquire_lease(self.ref, key, holder, self.ttl)):
+            self.here.discard(here)
+            self.runtime.executing.discard(here)
+            return f"run {run_id} is held by another executor"
+        self.held.add(run_id)
+        return None
+
+    async def _claim(self, run_ids: list[str]) -> list[Claimed]:
+        """Claim the leased runs; release at once the leases of those that did not start."""
+        tries: Tries[dict[str, Claimed | Executed]] = Tries()
+        try:
+            with telemetry.span("relayr.claim", {telemetry.RUNS: len(run_ids)}):
+                claims = await retried(
+                    lambda: attempts.claim(
+                        self.rules, self.ref, run_ids, max_lost=self.max_lost, tries=tries
+                    )
+                )
+        except NothingThere:
+            claims = {run_id: outcomes.missing(self.ref, run_id) for run_id in run_ids}
+        started: list[Claimed] = []
+        for run_id, claim in claims.items():
+            if isinstance(claim, Claimed):
+                started.append(claim)
+            else:
+                self._ended(run_id, claim)
+        await self._release(
+            run_id for run_id, claim in claims.items() if isinstance(claim, Executed)
+        )
+        return started
+
+    def _start(self, claimed: Claimed, running: dict[asyncio.Task[Ended], _Running]) -> None:
+        run, rule = claimed.run, claimed.rule
+        span = telemetry.run_span(
+            self.ref.tenant_id, self.ref.workspace_id, run, rule.name, claimed.events
+        )
+        if span is not None:
+            self.spans[run.id] = span
+        with telemetry.using(span):
+            logger.info(
+                "attempt started",
+                run_id=run.id,
+                rule=rule.name,
+                attempt=run.attempts,
+                epoch=run.epoch,
+                action=rule.then.action,
+            )
+        entry = _Running(claimed, None, perf_counter())
+        task = asyncio.create_task(telemetry.traced(span, self._attempt(entry)))
+        running[task] = entry
+
+    async def _attempt(self, entry: _Running) -> Ended:
+        """Run the rule's action as the run's agent, keeping the lease; say how it ended."""
+        run, rule = entry.claimed.run, entry.claimed.rule
+        try:
+            action, params = invocation.resolve(self.runtime.application.actions, rule)
+        except RunFailure as failure:
+            return Ended.failed(failure)
+        try:
+            workspace = await self.rules.open(
+                self.ref.tenant_id,
+                self.ref.workspace_id,
+                actor=RuleAgentActor(rule=rule.name, run_id=run.id, name=rule.then.action),
+            )
+        except Forbidden as refused:  # the rule may not act in its workspace: so would a retry
+            return Ended("failed", error=refused.message, reason=reasons.FORBIDDEN, permanent=True)
+        except Exception as error:  # the application's on_open failed: the attempt's, to retry
+            return Ended("failed", error=f"{type(error).__name__}: {error}")
+        entry.reaction = Reaction(
+            workspace=workspace.caused_by(run.causation, correlation_id=run.correlation_id),
+            run=run,
+            rule=rule,
+            events=entry.claimed.events,
+            deps=self.runtime.bridge,
+            params=params,
+        )
+        return await self._supervise(run, invocation.call(action, entry.reaction))
+
+    async def _supervise(self, run: Run, attempt: Coroutine[Any, Any, Ended]) -> Ended:
+        """Run an attempt while renewing its lease; cancel it if the attempt stops being current."""
+        task = asyncio.create_task(attempt)
+        keeper = asyncio.create_task(self._keep(run, task))
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # the caller cancels us (a time limit, a shutdown): the lease is released
+            return Ended("interrupted")
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+
+    async def _keep(self, run: Run, task: "asyncio.Task[Ended]") -> None:
+        """Renew the run's lease while its action runs; stop the action if the attempt is lost.
+
+        A storage error that outlasts its retries ends the renewals (logged), so the lease
+        lapses and the run is taken over.
+        """
+        key, holder = run_lease(run.id), self.runtime.holder
+        try:
+            while True:
+                await asyncio.sleep(self.ttl.total_seconds() / 3)
+                kept = await retried(
+                    lambda: self.storage.acquire_lease(self.ref, key, holder, self.ttl)
+                )
+                current = await retried(lambda: self.storage.run(self.ref, run.id))
+                if not kept or current is None or not current.is_running(run.epoch):
+                    task.cancel()
+                    return
+        except Exception:
+            logger.exception("renewing a run's lease failed; it will lapse", run_id=run.id)
+
+    async def _finish(self, running: dict[asyncio.Task[Ended], _Running]) -> None:
+        """Record outcomes as actions end, a group per transaction, and start the runs that
+        their scopes go on with."""
+        while running:
+            done, pending = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            if pending:  # what ends meanwhile joins this group's transaction
+                await asyncio.wait(pending, timeout=GROUP_LINGER_S)
+                done = {task for task in running if task.done()}
+            finished: list[Finished] = []
+            writes: list[LedgerWrites] = []
+            began: dict[str, float] = {}
+            for task in done:
+                entry = running.pop(task)
+                run = entry.claimed.run
+                ended = task.result()
+                if entry.reaction is not None and (left := pending_writes(entry.reaction)):
+                    writes.append(left)  # written in artifactr, whatever became of the attempt
+                if ended.kind == "interrupted":
+                    self._ended(
+                        run.id,
+                        Executed(
+                            "interrupted",
+                            run,
+                            f"attempt {run.attempts} of run {run.id} stopped being current "
+                            "while its action ran: the action was cancelled and nothing was "
+                            "recorded",
+                        ),
+                        seconds=perf_counter() - entry.began,
+                    )
+                    continue
+                successor = await self._successor(entry.claimed)
+                finished.append(Finished(entry.claimed, ended, successor))
+                began[run.id] = entry.began
+            merged = LedgerWrites.merged(writes)
+            if not finished:
+                if merged:
+                    await self._write_left(merged)
+                continue
+            completion = await self._complete(finished, merged)
+            for run_id, outcome in completion.executed.items():
+                self._ended(run_id, outcome, seconds=perf_counter() - began[run_id])
+            for run_id, outcome in completion.abandoned.items():
+                self._ended(run_id, outcome)
+            claimed_next = {claimed.run.id for claimed in completion.started}
+            unclaimed = {d.successor for d in finished if d.successor not in (None, *claimed_next)}
+            await self._release({run_id for run_id in unclaimed if run_id is not None})
+            for claimed in completion.started:
+                self._start(claimed, running)
+
+    async def _complete(self, finished: list[Finished], writes: LedgerWrites) -> Completion:
+        """Record the group's outcomes with the ledger rows its actions left.
+
+        If that fails for good, the rows are written once more on their own: the writes they
+        describe are in artifactr whatever becomes of the completion.
+        """
+        ledger = self.runtime.bridge.ledger
+        tries: Tries[Completion] = Tries()
+
+        async def step() -> Completion:
+            async with ledger.alongside(writes):
+                return await attempts.complete(
+                    self.rules, self.ref, finished, max_lost=self.max_lost, tries=tries
+                )
+
+        try:
+            with telemetry.span("relayr.complete", {telemetry.RUNS: len(finished)}):
+                return await retried(step)
+        finally:
+            if writes and not writes.committed:
+                await self._write_left(writes, once=True)
+
+    async def _write_left(self, writes: LedgerWrites, *, once: bool = False) -> None:
+        """Write ledger rows that no completion carries, in a transaction of their own (tried
+        ``once`` after a completion that failed for good); a failure is logged, as the rows
+        cannot be written anywhere else."""
+        ledger = self.runtime.bridge.ledger
+        try:
+            await (ledger.write(writes) if once else retried(lambda: ledger.write(writes)))
+        except Exception:
+            logger.exception(
+                "ledger rows of writes made in artifactr could not be written",
+                workspace=f"{self.ref.tenant_id}/{self.ref.workspace_id}",
+                causes=[c.key for c in writes.causes],
+                emissions=[e.message_id for e in writes.emissions],
+            )
+
+    async def _successor(self, claimed: Claimed) -> str | None:
+        """The run its scope may go on with after ``claimed``, leased; None if there is none,
+        the budget is spent, or another executor holds it."""
+        order = claimed.order
+        if order is None:
+            return None
+        run_id = order.after(claimed.run.id)
+        if run_id is None:
+            return None
+        budget = self.budgets.setdefault((claimed.rule.name, claimed.run.scope_key), _Budget())
+        if not budget.take() or await self._take(run_id) is not None:
+            return None  # the dispatcher hands it to the queue
+        return run_id
+
+    async def _release(self, run_ids: Iterable[str]) -> None:
+        """Release the leases this executor holds on ``run_ids``, and forget them here."""
+        for run_id in sorted(run_ids):
+            if run_id in self.held:
+                self.held.discard(run_id)
+                await retried(_releasing(self.storage, self.ref, run_id, self.runtime.holder))
+            here = (self.ref.tenant_id, self.ref.workspace_id, run_id)
+            self.here.discard(here)
+            self.runtime.executing.discard(here)
+
+    def _ended(self, run_id: str, executed: Executed, *, seconds: float | None = None) -> None:
+        self.results[run_id] = replace(executed, run_id=run_id)
+        if run_id in self.spans:
+            telemetry.run_ended(self.spans.pop(run_id), executed.outcome, executed.run)
+        if executed.outcome == "succeeded":
+            self.succeeded.add(run_id)
+        run = executed.run
+        metrics.record_run(None if run is None else run.rule, executed.outcome, seconds)
+
+
+def _releasing(
+    storage: Any, ref: WorkspaceRef, run_id: str, holder: str
+) -> Callable[[], Awaitable[None]]:
+    async def release() -> None:
+        await storage.release_lease(ref, run_lease(run_id), holder)
+
+    return release

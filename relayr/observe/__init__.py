@@ -1,0 +1,1 @@
+"""Metrics, traces, logs and health: what the path emits, watched."""

@@ -1,0 +1,1 @@
+"""What ops read and do to runs, shared by the command line and the console."""

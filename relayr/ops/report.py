@@ -1,0 +1,204 @@
+"""One run shown whole, as ``runs show`` and the console's run page say it: its attempts, its
+emission records, and the turns its messages started.
+
+The attempts come from reflexr's facts, read from the event that made the run fire, not from the
+workspace's start (:func:`show_run`); the emission records from the ledger; the turns from
+artifactr's threads. artifactr does not redo a turn whose process died, so a turn without an
+event for far longer than a live one goes quiet is shown stalled (:data:`STALLED_AFTER`).
+artifactr is imported only when a run is shown, so that listing and changing runs loads reflexr
+alone (ADR-0050).
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from reflexr.core import (
+    RunCancelled,
+    RunDeadLettered,
+    RunRequeued,
+    RunRetrying,
+    RunSkipped,
+    RunSucceeded,
+)
+from reflexr.core import RunStarted as RunAttempted
+from reflexr.workspace import WorkspaceRef, Workspaces
+
+from relayr.core import reasons
+from relayr.core.emissions import EmissionRecord
+from relayr.ledger.port import Ledger, WorkspaceKey
+from relayr.ops.rows import RunRow
+
+if TYPE_CHECKING:
+    from artifactr import Workspaces as ArtifactWorkspaces
+
+READER_NAME: Final = "relayr-ops"
+"""Who reads threads to find the turns a run's messages started (an artifactr system actor;
+artifactr is imported only by :func:`show_run`, so that listing and changing runs loads reflexr
+alone: ADR-0050)."""
+
+RUN_FACTS: Final = (
+    "reflexr:run_started",
+    "reflexr:run_retrying",
+    "reflexr:run_succeeded",
+    "reflexr:run_dead_lettered",
+    "reflexr:run_cancelled",
+    "reflexr:run_requeued",
+    "reflexr:run_skipped",
+)
+
+type TurnStatus = Literal["completed", "failed", "stopped", "running", "stalled", "untaken"]
+
+STALLED_AFTER: Final = timedelta(minutes=2)
+"""How long a turn may go without an event before ``runs show`` calls it stalled. artifactr
+does not redo a turn whose process died (its message counts as taken), so ops must see it:
+far longer than the Runner's claim TTL (30 s), which a live turn renews."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of a run, from reflexr's facts: when it started and how it ended."""
+
+    attempt: int
+    started_at: datetime
+    outcome: str = "running"
+    error: str | None = None
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "started_at": self.started_at.isoformat()}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """An agent turn that one of the run's messages started, or ``untaken``."""
+
+    message_id: str
+    thread_id: str
+    turn_id: str | None
+    status: TurnStatus
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """Everything ``runs show`` says about one run."""
+
+    run: RunRow
+    attempts: list[Attempt]
+    emissions: list[EmissionRecord]
+    turns: list[Turn]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run.to_json(),
+            "attempts": [attempt.to_json() for attempt in self.attempts],
+            "emissions": [record.to_json() for record in self.emissions],
+            "turns": [turn.to_json() for turn in self.turns],
+        }
+
+
+async def show_run(
+    rules: Workspaces,
+    artifacts: "ArtifactWorkspaces",
+    ledger: Ledger,
+    row: RunRow,
+) -> RunReport:
+    """A run's attempts, its emission records, and the turns its messages started.
+
+    The run's facts come after the event that made it fire, so the log is read from there, not
+    from the workspace's start (a long history of other runs' facts is not read).
+    """
+    ref = WorkspaceRef(row.tenant_id, row.workspace_id)
+    facts = await rules.storage.read(ref, after_seq=row.fired_seq, types=RUN_FACTS)
+    attempts = _attempts(
+        (envelope.event, envelope.ts)
+        for envelope in facts
+        if getattr(envelope.event, "run_id", None) == row.id  # the workspace's other runs' too
+    )
+    emissions = await ledger.emissions(row.workspace, row.id)
+    turns = await _turns(artifacts, row.workspace, emissions, now=rules.clock())
+    return RunReport(run=row, attempts=attempts, emissions=emissions, turns=turns)
+
+
+def _attempts(facts: Iterable[tuple[object, datetime]]) -> list[Attempt]:
+    attempts: list[Attempt] = []
+
+    def ended(outcome: str, error: str | None = None, reason: str | None = None) -> None:
+        if attempts and attempts[-1].outcome == "running":
+            last = attempts[-1]
+            attempts[-1] = Attempt(last.attempt, last.started_at, outcome, error, reason)
+
+    for fact, at in facts:
+        match fact:
+            case RunAttempted():
+                ended("abandoned", "a later attempt started", reasons.ABANDONED)
+                attempts.append(Attempt(fact.attempt, at))
+            case RunRetrying():
+                ended("failed", fact.error, fact.reason)
+            case RunDeadLettered():
+                ended("dead", fact.error, fact.reason)
+            case RunSucceeded():
+                ended("succeeded")
+            case RunCancelled():
+                ended("cancelled", None, fact.reason)
+            case RunSkipped() | RunRequeued():
+                pass
+    return attempts
+
+
+async def _turns(
+    artifacts: "ArtifactWorkspaces",
+    workspace: WorkspaceKey,
+    emissions: Sequence[EmissionRecord],
+    *,
+    now: datetime,
+) -> list[Turn]:
+    from artifactr import SystemActor as ArtifactSystemActor
+    from artifactr.core import Rejection as ArtifactRejection
+    from artifactr.core import RunEnded, RunStarted
+
+    sent = {(r.thread_id, r.message_id) for r in emissions if r.kind == "message"}
+    if not sent:
+        return []
+    reader = ArtifactSystemActor(name=READER_NAME)
+    try:
+        handle = await artifacts.open(workspace.tenant_id, workspace.workspace_id, actor=reader)
+        log = await handle.read(threads={thread for thread, _ in sent})
+    except ArtifactRejection:
+        return [Turn(message, thread, None, "untaken") for thread, message in sorted(sent)]
+    started: dict[str, str] = {}
+    ended: dict[str, RunEnded] = {}
+    last_seen: dict[str, datetime] = {}
+    for envelope in log:
+        if envelope.run_id is not None:
+            last_seen[envelope.run_id] = envelope.ts
+        event = envelope.event
+        if isinstance(event, RunStarted):
+            last_seen.setdefault(event.run_id, envelope.ts)
+            for message_id in event.message_ids:
+                started.setdefault(message_id, event.run_id)
+        elif isinstance(event, RunEnded):
+            ended[event.run_id] = event
+    turns = []
+    for thread, message in sorted(sent):
+        turn_id = started.get(message)
+        if turn_id is None:
+            turns.append(Turn(message, thread, None, "untaken"))
+        elif turn_id in ended:
+            end = ended[turn_id]
+            turns.append(Turn(message, thread, turn_id, end.status, end.reason))
+        elif now - last_seen.get(turn_id, now) > STALLED_AFTER:
+            quiet = int((now - last_seen[turn_id]).total_seconds())
+            reason = (
+                f"no event from the turn for {quiet} s: if its worker died, artifactr will not "
+                "answer this message; post it again"
+            )
+            turns.append(Turn(message, thread, turn_id, "stalled", reason))
+        else:
+            turns.append(Turn(message, thread, turn_id, "running"))
+    return turns

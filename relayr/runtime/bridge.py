@@ -1,0 +1,111 @@
+"""The bridge: what a run's actions act through, one per worker process and event loop.
+
+Its storage, ledger and artifactr ``Runner`` belong to the event loop that made them (an async
+engine cannot be reused by another loop), so a worker process builds one bridge on its own
+long-lived loop after it forks, and hands it to every run as the reaction's ``deps``.
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import structlog
+from artifactr import Workspaces as ArtifactWorkspaces
+from artifactr.agent import RunHandle, Runner
+
+from relayr.core.allowlist import Allowlists
+from relayr.ledger.port import Ledger
+from relayr.observe import metrics
+from relayr.runtime.transient import BACKOFF_S, TRIES, is_transient, retried
+
+type Ask = Callable[[], Awaitable[RunHandle | None]]
+"""Asks for a thread's next turn again (``Runner.ask`` on the turn's workspace and thread)."""
+
+ASK_AGAIN_TRIES: Final = TRIES
+"""How often a turn that failed to start on a transient storage fault is asked for again."""
+
+logger = structlog.get_logger("relayr.bridge")
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class StartedTurns:
+    """The agent turns this process started, so a shutdown can give them a grace period.
+
+    A turn that fails on a transient storage fault (a dropped connection) before it took its
+    message leaves the message untaken: artifactr's Runner leaves it to the thread's next
+    command, and a rule's message may have no next command. So such a turn is asked for again,
+    a few times (``again``): ``Runner.ask`` starts the turn the message still waits for, or
+    does nothing if a turn took it.
+    """
+
+    handles: set[RunHandle] = field(default_factory=set)
+    asking: set["asyncio.Task[None]"] = field(default_factory=set)
+
+    def started(self, handle: RunHandle | None, *, again: Ask | None = None) -> None:
+        self._track(handle, again, ASK_AGAIN_TRIES)
+
+    def _track(self, handle: RunHandle | None, again: Ask | None, tries: int) -> None:
+        if handle is None or handle in self.handles:
+            return
+        metrics.record_turn_started()
+        self.handles.add(handle)
+
+        def ended(task: "asyncio.Task[Any]") -> None:
+            self.handles.discard(handle)
+            failure = None if task.cancelled() else task.exception()
+            if again is None or tries <= 0 or failure is None or not is_transient(failure):
+                return
+            logger.warning(
+                "turn failed on a transient fault; asking for it again",
+                turn_id=handle.run_id,
+                thread_id=handle.thread_id,
+                error=f"{type(failure).__name__}: {failure}",
+            )
+            asking = asyncio.get_running_loop().create_task(self._ask(again, tries - 1))
+            self.asking.add(asking)
+            asking.add_done_callback(self.asking.discard)
+
+        handle.task.add_done_callback(ended)
+
+    async def _ask(self, again: Ask, tries: int) -> None:
+        await asyncio.sleep(BACKOFF_S[0])
+        try:
+            self._track(await retried(again), again, tries)
+        except Exception:
+            logger.exception(
+                "asking for a failed turn again failed; the thread's next command takes it"
+            )
+
+    def running(self) -> list[RunHandle]:
+        """The turns still running (a shutdown waits for them, :mod:`relayr.runtime.process`)."""
+        return [handle for handle in self.handles if not handle.task.done()]
+
+
+@dataclass
+class Bridge:
+    """What :class:`relayr.execution.actions.RunActions` act through.
+
+    Attributes:
+        artifacts: artifactr's workspaces, where runs write.
+        ledger: where causes and emission records are kept.
+        allowlists: returns the allowlist in force now. It is called when a run acts, not when
+            it was queued, so a revoked permission stops the next write of a queued run.
+        runner: the artifactr Runner that carries out turns, or None: then no rule may start
+            a turn, whatever the allowlist says.
+        clock: the time emission records are stamped with.
+        app: the application's own dependencies, for its actions.
+    """
+
+    artifacts: ArtifactWorkspaces
+    ledger: Ledger
+    allowlists: Callable[[], Allowlists]
+    runner: Runner[Any] | None = None
+    clock: Callable[[], datetime] = utc_now
+    app: Any = None
+    turns: StartedTurns = field(default_factory=StartedTurns)
