@@ -21,7 +21,7 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from relayr.dispatch.dispatcher import evaluation
+from relayr.dispatch import evaluation
 from relayr.dispatch.evaluation import evaluate_all, evaluate_workspace
 from relayr.runtime.application import open_storage
 from relayr.settings import Settings

@@ -1,17 +1,23 @@
 """The dispatcher: decide which runs exist, and hand each due run to a queue, once per attempt.
 
-Each pass first follows every workspace's artifactr log into reflexr (:mod:`relayr.follow`:
-the bridged ``artifactr:*`` events, under one lease per workspace, ADR-0065), then ticks
-reflexr's schedules (when the application has any, with reflexr's ``Reactor``) and evaluates
-the rules of every workspace, each in one transaction up to the log's head as the pass found
-it (:mod:`relayr.dispatch.evaluation`; any number of dispatchers can run), then reads the runs that
-are
-due from the store: pending and retrying runs whose time has come and that are first in their
-scope, and ``running`` runs whose lease lapsed because their worker died. Due runs of one
-workspace go to the queue together, up to :data:`relayr.core.run_messages.MAX_BATCH_RUNS` per
-message
-(:class:`RunBatch`); a run whose last attempt was abandoned, so may be what killed its worker,
-goes alone.
+It is woken by the store, not by a clock (:mod:`relayr.dispatch.changes`): a pass follows the
+artifactr logs that moved into reflexr (:mod:`relayr.follow`: the bridged ``artifactr:*``
+events, under one lease per workspace, ADR-0065), and evaluates the rules of the reflexr
+workspaces whose logs moved, each in one transaction up to the log's head as the pass found it
+(:mod:`relayr.dispatch.evaluation`), at most :data:`EVALUATION_BATCH` workspaces a pass, the
+rest in the passes right after. A workspace where nothing moved costs nothing. A slow sweep
+(``dispatch_sweep_s``) compares every workspace's head with what was evaluated, in case a
+notification was lost; schedules are ticked (reflexr's ``Reactor``, when the application has
+any) and the due list read at least every ``dispatch_interval_s``.
+
+The due list holds pending and retrying runs whose time has come and that are first in their
+scope, and ``running`` runs whose lease lapsed because their worker died. Due runs wait in a
+fair queue (:class:`relayr.core.fairness.FairQueue`): at most ``fair_messages`` messages of one
+workspace wait in the broker at once, handed out between tenants and workspaces in turn as
+workers take them, so one workspace's backlog never holds another's new run behind it. Due
+runs of one workspace go to the queue together, up to
+:data:`relayr.core.run_messages.MAX_BATCH_RUNS` per message (:class:`RunBatch`); a run whose
+last attempt was abandoned, so may be what killed its worker, goes alone.
 
 The store, not the queue, is the truth about a run (ADR-0001), so the dispatcher keeps only a
 hint in memory: which attempt of each run it enqueued, in which message. A run whose attempt
@@ -35,9 +41,8 @@ more, the same harmless duplicate.
 
 import asyncio
 import contextlib
-import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Final
@@ -48,8 +53,10 @@ from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
 from relayr import broker
 from relayr.core import reasons
+from relayr.core.fairness import FairQueue
 from relayr.core.run_messages import MAX_BATCH_RUNS, RunBatch
-from relayr.dispatch.evaluation import evaluate_all
+from relayr.dispatch.changes import ChangeFeed, Changes, Workspace, feed_for
+from relayr.dispatch.evaluation import evaluate_each
 from relayr.observe import telemetry
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -62,6 +69,9 @@ type Enqueue = Callable[[RunBatch], Awaitable[None]]
 
 type QueueDepth = Callable[[], Awaitable[int | None]]
 """How many messages wait in the queue now, or None if the broker cannot say."""
+
+type Owns = Callable[[str, str], bool]
+"""Whether this dispatcher decides a workspace now (its shard's lease): ``owns(tenant, ws)``."""
 
 type _RunKey = tuple[str, str, str]
 type _Attempt = tuple[RunStatus, int, int]
@@ -81,8 +91,13 @@ again whatever DUE_READ_INTERVAL_S says, and comes at once when this one enqueue
 bound keeps one pass's read and memory small."""
 
 MESSAGES_PER_BURST: Final = 4
-"""Into how many messages at least a pass's due runs are split (up to MAX_BATCH_RUNS runs
-each, one workspace each), so a handful of due runs still reaches several worker processes."""
+"""Into how many messages at least a workspace's due runs are split (up to MAX_BATCH_RUNS runs
+each), so a handful of due runs still reaches several worker processes."""
+
+EVALUATION_BATCH: Final = 100
+"""How many workspaces one pass evaluates (and follows) at most: a burst of changes across
+many workspaces is decided in passes of this many, each handing out what it fired before the
+next begins."""
 
 logger = structlog.get_logger("relayr.dispatch")
 
@@ -101,6 +116,8 @@ class DispatchPass:
         again: Runs enqueued again because their message was presumed lost.
         failed: Runs the queue refused; the next pass tries them again.
         bridged: Events the followers bridged from artifactr at the start of the pass.
+        withheld: Due runs kept back for fairness: their workspace has ``fair_messages``
+            messages waiting in the broker already.
     """
 
     ticks: int = 0
@@ -112,6 +129,7 @@ class DispatchPass:
     again: int = 0
     failed: int = 0
     bridged: int = 0
+    withheld: int = 0
 
 
 @dataclass
@@ -119,6 +137,7 @@ class _Message:
     """A message this dispatcher sent, and what it knows of its fate."""
 
     seq: int
+    workspace: Workspace
     runs: set[_RunKey]
     taken_at: float | None = None
     passed_at: float | None = None
@@ -144,9 +163,25 @@ class _Ledger:
     latest_taken: int = 0
     """The newest message a worker is known to have taken: the queue is past every older one."""
 
+    def in_broker(self) -> dict[Workspace, int]:
+        """How many messages of each workspace no worker is known to have taken."""
+        counted: dict[Workspace, int] = {}
+        for message in self.messages.values():
+            if message.taken_at is None:
+                counted[message.workspace] = counted.get(message.workspace, 0) + 1
+        return counted
+
+
+@dataclass
+class _Due:
+    """A due run waiting in the fair queue."""
+
+    key: _RunKey
+    run: Run
+
 
 class Dispatcher:
-    """Evaluates rules and enqueues due runs, once per attempt.
+    """Evaluates rules and enqueues due runs, once per attempt, fairly between workspaces.
 
     Args:
         runtime: The process's runtime; its holder names this dispatcher's leases.
@@ -156,6 +191,10 @@ class Dispatcher:
             the settings' broker is asked (:func:`relayr.broker.queue_depth`).
         follow: Whether each pass follows artifactr's logs first; False where ``relayr
             follow`` runs the followers apart.
+        feed: What wakes :meth:`serve`; by default the application's store's
+            (:func:`relayr.dispatch.changes.feed_for`), made when serving starts.
+        owns: Which workspaces this dispatcher decides (the others are another's); all of
+            them by default.
     """
 
     def __init__(
@@ -166,8 +205,12 @@ class Dispatcher:
         limit: int = DUE_LIMIT,
         queue_depth: QueueDepth | None = None,
         follow: bool = True,
+        feed: ChangeFeed | None = None,
+        owns: Owns | None = None,
     ) -> None:
         application = runtime.application
+        settings = runtime.settings
+        self._runtime = runtime
         self._followers: Followers | None = None
         if follow:  # artifactr loads only for a dispatcher that follows
             from relayr.follow.follower import followers_of
@@ -179,29 +222,73 @@ class Dispatcher:
             actions=application.actions,
             deps=runtime.bridge,
             holder=runtime.holder,
-            lease_ttl=timedelta(seconds=runtime.settings.lease_ttl_s),
+            lease_ttl=timedelta(seconds=settings.lease_ttl_s),
         )
-        self._requeue_after_s = runtime.settings.requeue_after_s
-        self._interval_s = runtime.settings.dispatch_interval_s
+        self._requeue_after_s = settings.requeue_after_s
+        self._interval_s = settings.dispatch_interval_s
+        self._sweep_s = settings.dispatch_sweep_s
         self._monotonic = monotonic
         self._limit = limit
-        self._queue_depth = queue_depth or _asking(runtime.settings)
+        self._queue_depth = queue_depth or _asking(settings)
+        self._feed = feed
+        self._owns = owns
         self._sent = _Ledger()
+        self._fair: FairQueue[_Due] = FairQueue(
+            per_workspace=settings.fair_messages,
+            weights=settings.tenant_weights,
+            batch=MAX_BATCH_RUNS,
+            spread=MESSAGES_PER_BURST,
+        )
         self._due_read_at: float | None = None
+        self._ticked_at: float | None = None
         self._evaluated_to: dict[WorkspaceRef, int] = {}
+        self._followed_to: dict[Workspace, int] = {}
+        self._to_evaluate: dict[Workspace, None] = {}
+        self._to_follow: dict[Workspace, None] = {}
 
-    async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
-        """Tick, evaluate, and enqueue every due run whose message is not in the queue.
+    @property
+    def behind(self) -> bool:
+        """Whether changed workspaces wait for the next pass (a burst past EVALUATION_BATCH)."""
+        return bool(self._to_evaluate or self._to_follow)
+
+    async def pass_once(self, enqueue: Enqueue, changes: Changes | None = None) -> DispatchPass:
+        """Follow and evaluate what changed, tick, and hand out due runs fairly.
+
+        ``changes``: the workspaces whose logs moved (:class:`~relayr.dispatch.changes.Changes`);
+        None, or one that says ``everything``, sweeps: every workspace whose head is not where
+        this dispatcher last evaluated (or followed) it.
 
         Raises:
             Exception: What the storage raised while ticking, evaluating or reading due runs;
                 the next pass starts over. A failing ``enqueue`` is counted, not raised.
         """
-        bridged = (await self._followers.follow_all()).bridged if self._followers else 0
-        ticks = await self._reactor.tick() if self._rules.schedules else 0
-        fired = await evaluate_all(self._rules, evaluated_to=self._evaluated_to)
+        sweep = changes is None or changes.everything
+        if changes is not None:
+            self._to_evaluate.update(dict.fromkeys(sorted(changes.rules)))
+            self._to_follow.update(dict.fromkeys(sorted(changes.artifacts)))
+        bridged_to = await self._follow(sweep)
+        bridged = bridged_to[0]
+        self._to_evaluate.update(dict.fromkeys(bridged_to[1]))
+        now = self._monotonic()
+        ticks = 0
+        if self._rules.schedules and (
+            self._ticked_at is None or now - self._ticked_at >= self._interval_s
+        ):
+            ticks = await self._reactor.tick()
+            self._ticked_at = now
+        if sweep:
+            await self._sweep_rules()
+        chosen = _first(self._to_evaluate, EVALUATION_BATCH, self._owns)
+        fired = await evaluate_each(
+            self._rules,
+            [WorkspaceRef(tenant_id, workspace_id) for tenant_id, workspace_id in chosen],
+            evaluated_to=self._evaluated_to,
+        )
+        if changes is not None:
+            await self._check_taken(changes.rules, now)
         policy = RunPolicy.of(self._rules.rules.values())
         now = self._monotonic()
+        full_list = False
         if (
             self._due_read_at is None
             or policy.ordered
@@ -212,23 +299,26 @@ class Dispatcher:
                 now=self._rules.clock(), limit=self._limit, policy=policy
             )
             self._due_read_at = now = self._monotonic()
+            due = [(ref, run) for ref, run in due if self._decides(ref)]
             listed = {_key(ref, run): run for ref, run in due}
             window = _order(*due[-1]) if len(due) >= self._limit else None
             if window is not None:  # more are due: the next pass, at once, reads them
                 self._due_read_at = None
+            full_list = window is None
             await self._observe(listed, window, now)
+            for ref, run in fired:  # due at once, though past the list's end in a backlog
+                if run.rule not in policy.ordered:
+                    listed.setdefault(_key(ref, run), run)
         else:
             # the runs this pass fired are due at once (no rule orders them): enqueue them
             # without reading every due run again (see DUE_READ_INTERVAL_S)
             due = fired
             listed = {_key(ref, run): run for ref, run in fired}
-        firings = len(fired)
-        fresh: list[tuple[_RunKey, Run]] = []
         waiting = again = 0
         for key, run in listed.items():
             queued = self._sent.runs.get(key)
             if queued is None or queued.attempt != _attempt(run):
-                fresh.append((key, run))
+                self._fair.add(key[:2], key, _Due(key, run), alone=_alone(run))
             elif self._lost(queued.message, now):
                 logger.info(
                     "run's message presumed lost: enqueued again",
@@ -236,12 +326,152 @@ class Dispatcher:
                     key=key,
                     message=queued.message.seq,
                 )
-                fresh.append((key, run))
+                self._fair.add(key[:2], key, _Due(key, run), alone=_alone(run))
                 again += 1
             else:
                 waiting += 1
+        if full_list:  # what the fair queue holds that is no longer due
+            for held in self._fair:
+                if held not in listed:
+                    self._fair.remove(held)
+        enqueued, messages, failed = await self._hand_out(enqueue)
+        done = DispatchPass(
+            ticks=ticks,
+            firings=len(fired),
+            due=len(due),
+            enqueued=enqueued,
+            messages=messages,
+            waiting=waiting,
+            again=again,
+            failed=failed,
+            bridged=bridged,
+            withheld=len(self._fair),
+        )
+        if ticks or fired or enqueued or failed or bridged:
+            logger.info("dispatch pass", **vars(done))
+        return done
+
+    async def serve(self, enqueue: Enqueue, stop: asyncio.Event) -> None:
+        """Pass whenever the store says a workspace's log moved, until ``stop`` is set.
+
+        Passes also come every ``dispatch_interval_s`` (schedules, the due list) and sweep
+        every ``dispatch_sweep_s``. A pass that fails is logged and the next one starts over;
+        a pass that left work behind is followed at once by the next. A feed that cannot start
+        is logged, and every timed pass then sweeps. Stopping gives up the followers' leases.
+        """
+        feed = self._feed
+        if feed is None:
+            feed = self._feed = feed_for(self._runtime.application.engines, self._rules.storage)
+        try:
+            try:
+                await feed.start()
+                listening = True
+            except Exception:
+                logger.exception("change notifications unavailable: every pass sweeps")
+                listening = False
+            await self._serve(enqueue, stop, feed, listening)
+        finally:
+            with contextlib.suppress(Exception):
+                await feed.aclose()
+            if self._followers is not None:
+                await self._followers.release()
+
+    async def _serve(
+        self, enqueue: Enqueue, stop: asyncio.Event, feed: ChangeFeed, listening: bool
+    ) -> None:
+        swept_at: float | None = None
+        while not stop.is_set():
+            now = self._monotonic()
+            changes = feed.take()
+            if not listening or swept_at is None or now - swept_at >= self._sweep_s:
+                changes.everything = True
+            if changes.everything or swept_at is None:
+                swept_at = now
+            more = False
+            try:
+                done = await self.pass_once(enqueue, changes)
+                more = self.behind or (done.due >= self._limit and done.enqueued > 0)
+            except Exception:
+                logger.exception("a dispatch pass failed; the next one starts over")
+            if more:
+                await asyncio.sleep(0)
+                continue
+            until_sweep = self._sweep_s - (self._monotonic() - swept_at)
+            await _first_of(feed, stop, max(0.0, min(self._interval_s, until_sweep)))
+
+    async def _follow(self, sweep: bool) -> tuple[int, list[Workspace]]:
+        """Follow the artifactr workspaces that moved (on a sweep, every one whose head is not
+        where it was followed to); return the events bridged and where they went."""
+        if self._followers is None:
+            self._to_follow.clear()
+            return 0, []
+        from relayr.ledger.port import WorkspaceKey
+
+        feed = self._feed
+        heads: dict[Workspace, int] | None = None
+        if sweep or feed is None or not feed.sees_artifacts:
+            found = await feed.heads() if feed is not None else None
+            if found is None:  # a store that cannot list heads: follow every workspace
+                done = await self._followers.follow_all()
+                self._to_follow.clear()
+                return done.bridged, []
+            heads = found.artifacts
+            self._to_follow.update(
+                dict.fromkeys(w for w, head in heads.items() if self._followed_to.get(w) != head)
+            )
+        chosen = _first(self._to_follow, EVALUATION_BATCH, self._owns)
+        if not chosen:
+            return 0, []
+        done, moved = await self._followers.follow_these({WorkspaceKey(*w) for w in chosen})
+        if heads is not None:
+            for workspace in chosen:
+                if workspace in heads:
+                    self._followed_to[workspace] = heads[workspace]
+        behind = [(key.tenant_id, key.workspace_id) for key in moved]
+        return done.bridged, behind
+
+    async def _sweep_rules(self) -> None:
+        """Queue for evaluation every workspace whose head is not where it was evaluated to."""
+        found = await self._feed.heads() if self._feed is not None else None
+        if found is None or self._rules.stored_rules is not None:
+            refs = await self._rules.storage.workspaces()
+            self._to_evaluate.update(dict.fromkeys((r.tenant_id, r.workspace_id) for r in refs))
+            return
+        for (tenant_id, workspace_id), head in found.rules.items():
+            if self._evaluated_to.get(WorkspaceRef(tenant_id, workspace_id)) != head:
+                self._to_evaluate[(tenant_id, workspace_id)] = None
+
+    async def _check_taken(self, moved: Iterable[Workspace], now: float) -> None:
+        """Learn at once which messages of the workspaces that moved a worker took (its claim
+        appended to their logs): the first run of each such message left the attempt it was
+        enqueued at. Frees their place in the fair hand-out without waiting for the due list."""
+        moved = set(moved)
+        sent = self._sent
+        for message in list(sent.messages.values()):
+            if message.taken_at is not None or message.workspace not in moved or not message.runs:
+                continue
+            key = min(message.runs)
+            run = await self._rules.storage.run(WorkspaceRef(key[0], key[1]), key[2])
+            queued = sent.runs.get(key)
+            if run is None or queued is None or _attempt(run) == queued.attempt:
+                continue
+            message.taken_at = now
+            sent.latest_taken = max(sent.latest_taken, message.seq)
+            message.runs.discard(key)
+            del sent.runs[key]
+        sent.messages = {seq: m for seq, m in sent.messages.items() if m.runs}
+
+    async def _hand_out(self, enqueue: Enqueue) -> tuple[int, int, int]:
+        """Send what the fair queue hands out now; return runs, messages and runs refused."""
         enqueued = messages = failed = 0
-        for batch, runs in _batches(fresh):
+        for message in self._fair.hand_out(self._sent.in_broker()):
+            runs = [(due.key, due.run) for due in message.items]
+            tenant_id, workspace_id = message.workspace
+            batch = RunBatch(
+                tenant_id=tenant_id,
+                workspace_id=workspace_id,
+                run_ids=tuple(run.id for _, run in runs),
+            )
             try:
                 with telemetry.enqueuing(batch.tenant_id, batch.workspace_id, batch.run_ids):
                     await enqueue(batch)
@@ -249,42 +479,13 @@ class Dispatcher:
                 logger.exception("enqueueing runs failed", run_ids=list(batch.run_ids))
                 failed += len(runs)
                 continue
-            self._sent_now(runs)
+            self._sent_now(message.workspace, runs)
             enqueued += len(runs)
             messages += 1
-        done = DispatchPass(
-            ticks, firings, len(due), enqueued, messages, waiting, again, failed, bridged
-        )
-        if ticks or firings or enqueued or failed or bridged:
-            logger.info("dispatch pass", **vars(done))
-        return done
+        return enqueued, messages, failed
 
-    async def serve(self, enqueue: Enqueue, stop: asyncio.Event) -> None:
-        """Run passes every ``dispatch_interval_s`` until ``stop`` is set.
-
-        A pass that fails is logged and the next one starts over; a pass that filled its limit
-        and enqueued something is followed at once by the next. Stopping gives up the
-        followers' leases.
-        """
-        try:
-            await self._serve(enqueue, stop)
-        finally:
-            if self._followers is not None:
-                await self._followers.release()
-
-    async def _serve(self, enqueue: Enqueue, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            full = False
-            try:
-                done = await self.pass_once(enqueue)
-                full = done.due >= self._limit and done.enqueued > 0
-            except Exception:
-                logger.exception("a dispatch pass failed; the next one starts over")
-            if full:
-                continue
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._interval_s):
-                    await stop.wait()
+    def _decides(self, ref: WorkspaceRef) -> bool:
+        return self._owns is None or self._owns(ref.tenant_id, ref.workspace_id)
 
     async def _observe(self, listed: dict[_RunKey, Run], window: _Order | None, now: float) -> None:
         """Learn from the due list which messages workers took, and forget what is done.
@@ -325,9 +526,9 @@ class Dispatcher:
         since = message.taken_at if message.taken_at is not None else message.passed_at
         return since is not None and now - since >= self._requeue_after_s
 
-    def _sent_now(self, runs: Sequence[tuple[_RunKey, Run]]) -> None:
+    def _sent_now(self, workspace: Workspace, runs: Sequence[tuple[_RunKey, Run]]) -> None:
         sent = self._sent
-        message = _Message(sent.next_seq, {key for key, _ in runs})
+        message = _Message(sent.next_seq, workspace, {key for key, _ in runs})
         sent.next_seq += 1
         sent.messages[message.seq] = message
         for key, run in runs:
@@ -338,30 +539,33 @@ class Dispatcher:
         sent.messages = {seq: m for seq, m in sent.messages.items() if m.runs}
 
 
-def _batches(
-    runs: Sequence[tuple[_RunKey, Run]],
-) -> Iterator[tuple[RunBatch, list[tuple[_RunKey, Run]]]]:
-    """Group runs into messages of one workspace each, in order, sized so the pass's runs make
-    at least :data:`MESSAGES_PER_BURST` messages of at most MAX_BATCH_RUNS runs; a run whose
-    last attempt was abandoned goes alone."""
-    by_workspace: dict[tuple[str, str], list[tuple[_RunKey, Run]]] = {}
-    groups: list[list[tuple[_RunKey, Run]]] = []
-    for key, run in runs:
-        if run.reason == reasons.ABANDONED:
-            groups.append([(key, run)])
-        else:
-            by_workspace.setdefault(key[:2], []).append((key, run))
-    size = min(MAX_BATCH_RUNS, max(1, math.ceil(len(runs) / MESSAGES_PER_BURST)))
-    for members in by_workspace.values():
-        groups.extend(members[index : index + size] for index in range(0, len(members), size))
-    for group in groups:
-        tenant_id, workspace_id, _ = group[0][0]
-        batch = RunBatch(
-            tenant_id=tenant_id,
-            workspace_id=workspace_id,
-            run_ids=tuple(run.id for _, run in group),
-        )
-        yield batch, group
+def _first(pending: dict[Workspace, None], limit: int, owns: Owns | None) -> list[Workspace]:
+    """Take up to ``limit`` workspaces from the front of ``pending`` (those this dispatcher
+    decides; the others are dropped: their owner's feed tells it too)."""
+    chosen: list[Workspace] = []
+    for workspace in list(pending):
+        if len(chosen) >= limit:
+            break
+        del pending[workspace]
+        if owns is None or owns(*workspace):
+            chosen.append(workspace)
+    return chosen
+
+
+async def _first_of(feed: ChangeFeed, stop: asyncio.Event, timeout_s: float) -> None:
+    """Wait until the feed has something, ``stop`` is set, or ``timeout_s`` passed."""
+    waits = [asyncio.ensure_future(feed.wait(timeout_s)), asyncio.ensure_future(stop.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
+def _alone(run: Run) -> bool:
+    """A run whose last attempt was abandoned may be what killed its worker: it goes alone."""
+    return run.reason == reasons.ABANDONED
 
 
 def _asking(settings: Settings) -> QueueDepth:

@@ -21,6 +21,7 @@ a ``relayr.evaluate`` span in their trace, and its facts carry its ``traceparent
 reactor's do (ADR-0080).
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -143,7 +144,18 @@ async def _evaluate(
 async def evaluate_all(
     rules: Workspaces, *, evaluated_to: dict[WorkspaceRef, int] | None = None
 ) -> list[tuple[WorkspaceRef, Run]]:
-    """Evaluate every workspace with a log, each up to the head it had when its turn came;
+    """Evaluate every workspace with a log (:func:`evaluate_each` over reflexr's list of
+    workspaces); return the runs the firings made, with their workspaces."""
+    return await evaluate_each(rules, await rules.storage.workspaces(), evaluated_to=evaluated_to)
+
+
+async def evaluate_each(
+    rules: Workspaces,
+    refs: Iterable[WorkspaceRef],
+    *,
+    evaluated_to: dict[WorkspaceRef, int] | None = None,
+) -> list[tuple[WorkspaceRef, Run]]:
+    """Evaluate each workspace of ``refs``, each up to the head it had when its turn came;
     return the runs the firings made, with their workspaces.
 
     ``evaluated_to`` remembers, across calls, the head each workspace was evaluated up to: a
@@ -153,7 +165,7 @@ async def evaluate_all(
     """
     made: list[tuple[WorkspaceRef, Run]] = []
     known = evaluated_to if rules.stored_rules is None else None
-    for ref in await rules.storage.workspaces():
+    for ref in refs:
         if known is not None and known.get(ref) == await rules.storage.head_seq(ref):
             continue
         evaluated = await evaluate_workspace(rules, ref)
