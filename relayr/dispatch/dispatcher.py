@@ -57,6 +57,7 @@ from relayr.core.fairness import FairQueue
 from relayr.core.run_messages import MAX_BATCH_RUNS, RunBatch
 from relayr.dispatch.changes import ChangeFeed, Changes, Workspace, feed_for
 from relayr.dispatch.evaluation import evaluate_each
+from relayr.dispatch.shards import InMemoryShardStore, Shards, SqlShardStore
 from relayr.observe import telemetry
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -193,8 +194,10 @@ class Dispatcher:
             follow`` runs the followers apart.
         feed: What wakes :meth:`serve`; by default the application's store's
             (:func:`relayr.dispatch.changes.feed_for`), made when serving starts.
-        owns: Which workspaces this dispatcher decides (the others are another's); all of
-            them by default.
+        owns: Which workspaces this dispatcher decides (the others are another's): by default
+            all of them in :meth:`pass_once`, and in :meth:`serve` those of the shards it
+            holds (:mod:`relayr.dispatch.shards`), unless ``owns`` or ``shards`` is given.
+        shards: This dispatcher's share of the shards, kept by :meth:`serve`.
     """
 
     def __init__(
@@ -207,6 +210,7 @@ class Dispatcher:
         follow: bool = True,
         feed: ChangeFeed | None = None,
         owns: Owns | None = None,
+        shards: Shards | None = None,
     ) -> None:
         application = runtime.application
         settings = runtime.settings
@@ -231,7 +235,8 @@ class Dispatcher:
         self._limit = limit
         self._queue_depth = queue_depth or _asking(settings)
         self._feed = feed
-        self._owns = owns
+        self._owns = owns if owns is not None or shards is None else shards.owns
+        self._shards = shards
         self._sent = _Ledger()
         self._fair: FairQueue[_Due] = FairQueue(
             per_workspace=settings.fair_messages,
@@ -362,6 +367,9 @@ class Dispatcher:
         feed = self._feed
         if feed is None:
             feed = self._feed = feed_for(self._runtime.application.engines, self._rules.storage)
+        if self._shards is None and self._owns is None:
+            self._shards = _shards_of(self._runtime)
+            self._owns = self._shards.owns
         try:
             try:
                 await feed.start()
@@ -373,6 +381,11 @@ class Dispatcher:
         finally:
             with contextlib.suppress(Exception):
                 await feed.aclose()
+            if self._shards is not None:
+                try:
+                    await self._shards.release()
+                except Exception:
+                    logger.exception("giving up the dispatch shards failed; they lapse instead")
             if self._followers is not None:
                 await self._followers.release()
 
@@ -387,6 +400,8 @@ class Dispatcher:
                 changes.everything = True
             if changes.everything or swept_at is None:
                 swept_at = now
+            if await self._keep_shards():
+                changes.everything = True
             more = False
             try:
                 done = await self.pass_once(enqueue, changes)
@@ -398,6 +413,25 @@ class Dispatcher:
                 continue
             until_sweep = self._sweep_s - (self._monotonic() - swept_at)
             await _first_of(feed, stop, max(0.0, min(self._interval_s, until_sweep)))
+
+    async def _keep_shards(self) -> bool:
+        """Keep this dispatcher's shards when it is time; whether it gained some (then the
+        pass sweeps them and reads the due list: what their last holder knew is gone)."""
+        shards = self._shards
+        if shards is None or not shards.due():
+            return False
+        try:
+            gained = await shards.keep()
+        except Exception:
+            logger.exception("keeping the dispatch shards failed; the next pass tries again")
+            return False
+        for held in self._fair:  # runs of workspaces another dispatcher decides now
+            if not shards.owns(*held[:2]):  # type: ignore[index]
+                self._fair.remove(held)
+        if gained:
+            logger.info("dispatch shards taken", shards=sorted(gained), held=len(shards.held))
+            self._due_read_at = None
+        return bool(gained)
 
     async def _follow(self, sweep: bool) -> tuple[int, list[Workspace]]:
         """Follow the artifactr workspaces that moved (on a sweep, every one whose head is not
@@ -537,6 +571,17 @@ class Dispatcher:
                 previous.message.runs.discard(key)
             sent.runs[key] = _Queued(_attempt(run), message, _order_of(key, run))
         sent.messages = {seq: m for seq, m in sent.messages.items() if m.runs}
+
+
+def _shards_of(runtime: Runtime) -> Shards:
+    """The shards of a dispatcher on the runtime's store (its first engine's, else memory)."""
+    engines = runtime.application.engines
+    return Shards(
+        SqlShardStore(engines[0]) if engines else InMemoryShardStore(),
+        holder=runtime.holder,
+        shards=runtime.settings.dispatch_shards,
+        lease_ttl_s=runtime.settings.lease_ttl_s,
+    )
 
 
 def _first(pending: dict[Workspace, None], limit: int, owns: Owns | None) -> list[Workspace]:
