@@ -374,6 +374,7 @@ class Dispatcher:
             try:
                 await feed.start()
                 listening = True
+                logger.info("dispatcher listening for changes", feed=type(feed).__name__)
             except Exception:
                 logger.exception("change notifications unavailable: every pass sweeps")
                 listening = False
