@@ -307,8 +307,8 @@ class Dispatcher:
             due = [(ref, run) for ref, run in due if self._decides(ref)]
             listed = {_key(ref, run): run for ref, run in due}
             window = _order(*due[-1]) if len(due) >= self._limit else None
-            if window is not None:  # more are due: the next pass, at once, reads them
-                self._due_read_at = None
+            if window is not None and len(self._fair) < self._limit:
+                self._due_read_at = None  # more are due: the next pass, at once, reads them
             full_list = window is None
             await self._observe(listed, window, now)
             for ref, run in fired:  # due at once, though past the list's end in a backlog
@@ -406,7 +406,7 @@ class Dispatcher:
             more = False
             try:
                 done = await self.pass_once(enqueue, changes)
-                more = self.behind or (done.due >= self._limit and done.enqueued > 0)
+                more = self.behind or (self._due_read_at is None and done.enqueued > 0)
             except Exception:
                 logger.exception("a dispatch pass failed; the next one starts over")
             if more:
