@@ -91,10 +91,11 @@ class Changes:
 
 @dataclass(frozen=True)
 class Heads:
-    """Every workspace's head, as the sweep compares them: reflexr's and artifactr's."""
+    """Every workspace's head, as the sweep compares them: reflexr's and artifactr's (None when
+    artifactr's tables are not in this database: its logs are then followed every pass)."""
 
     rules: dict[Workspace, int]
-    artifacts: dict[Workspace, int]
+    artifacts: dict[Workspace, int] | None
 
 
 class ChangeFeed(ABC):
@@ -161,7 +162,7 @@ class PostgresFeed(ChangeFeed):
         self._dropped = asyncio.Event()
 
     async def start(self) -> None:
-        await install(self._engine)
+        self.sees_artifacts = "artifactr" in await install(self._engine)
         await self._listen()
         self._keeper = asyncio.create_task(self._keep_listening())
 
@@ -227,7 +228,7 @@ class SqliteFeed(ChangeFeed):
         self._seen = 0
 
     async def start(self) -> None:
-        await install(self._engine)
+        self.sees_artifacts = "artifactr" in await install(self._engine)
         connection = sqlite3.connect(
             f"file:{self._path}?mode=ro", uri=True, timeout=1.0, check_same_thread=False
         )
@@ -320,19 +321,19 @@ def feed_for(engines: tuple[AsyncEngine, ...], rules: Any) -> ChangeFeed:
     return MemoryFeed(rules)
 
 
-async def install(engine: AsyncEngine) -> None:
+async def install(engine: AsyncEngine) -> set[Source]:
     """Create the triggers (and, on SQLite, the changes table), idempotently, for each
-    library's workspace table that exists."""
+    library's workspace table that exists; return the libraries whose logs are watched."""
     async with engine.begin() as connection:
         if engine.dialect.name == "postgresql":
             await connection.execute(
                 text("SELECT pg_advisory_xact_lock(:key)"), {"key": INSTALL_LOCK}
             )
-            statements = _postgres_ddl(await _tables(connection))
-        else:
-            statements = _sqlite_ddl(await _tables(connection))
-        for statement in statements:
+        tables = await _tables(connection)
+        ddl = _postgres_ddl if engine.dialect.name == "postgresql" else _sqlite_ddl
+        for statement in ddl(tables):
             await connection.execute(text(statement))
+    return set(tables)
 
 
 async def _tables(connection: Any) -> dict[Source, str]:
@@ -346,13 +347,13 @@ async def _tables(connection: Any) -> dict[Source, str]:
 
 
 async def _heads(connection: Any) -> Heads:
-    found: dict[Source, dict[Workspace, int]] = {"reflexr": {}, "artifactr": {}}
+    found: dict[Source, dict[Workspace, int]] = {}
     for source, table in (await _tables(connection)).items():
         rows = await connection.execute(
             text(f"SELECT tenant_id, workspace_id, head_seq FROM {table} WHERE head_seq > 0")
         )
         found[source] = {(row[0], row[1]): int(row[2]) for row in rows}
-    return Heads(rules=found["reflexr"], artifacts=found["artifactr"])
+    return Heads(rules=found.get("reflexr", {}), artifacts=found.get("artifactr"))
 
 
 def _postgres_ddl(tables: dict[Source, str]) -> list[str]:

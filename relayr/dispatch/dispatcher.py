@@ -446,7 +446,7 @@ class Dispatcher:
         heads: dict[Workspace, int] | None = None
         if sweep or feed is None or not feed.sees_artifacts:
             found = await feed.heads() if feed is not None else None
-            if found is None:  # a store that cannot list heads: follow every workspace
+            if found is None or found.artifacts is None:  # no heads: follow every workspace
                 done = await self._followers.follow_all()
                 self._to_follow.clear()
                 return done.bridged, []
