@@ -68,8 +68,11 @@ class ShardStore(Protocol):
         """Renew ``holder``'s leases on ``shards`` up to ``until``; return those it still held."""
         ...
 
-    async def take(self, shard: int, holder: str, *, until: datetime, now: datetime) -> bool:
-        """Take a shard that is free, lapsed at ``now``, or ``holder``'s own."""
+    async def take(
+        self, shards: set[int], holder: str, *, until: datetime, now: datetime
+    ) -> set[int]:
+        """Take those of ``shards`` that are free, lapsed at ``now``, or ``holder``'s own;
+        return them."""
         ...
 
     async def release(self, holder: str, shards: set[int]) -> None:
@@ -101,12 +104,17 @@ class InMemoryShardStore:
             self._held[shard] = Holding(shard, holder, until)
         return kept
 
-    async def take(self, shard: int, holder: str, *, until: datetime, now: datetime) -> bool:
-        found = self._held.get(shard)
-        if found is not None and found.holder != holder and found.held_until > now:
-            return False
-        self._held[shard] = Holding(shard, holder, until)
-        return True
+    async def take(
+        self, shards: set[int], holder: str, *, until: datetime, now: datetime
+    ) -> set[int]:
+        taken = set()
+        for shard in shards:
+            found = self._held.get(shard)
+            if found is not None and found.holder != holder and found.held_until > now:
+                continue
+            self._held[shard] = Holding(shard, holder, until)
+            taken.add(shard)
+        return taken
 
     async def release(self, holder: str, shards: set[int]) -> None:
         for shard in shards:
@@ -176,20 +184,26 @@ class SqlShardStore(SqlStore):
         async with self._transaction() as connection:
             return {int(shard) for shard in (await connection.execute(renewed)).scalars()}
 
-    async def take(self, shard: int, holder: str, *, until: datetime, now: datetime) -> bool:
+    async def take(
+        self, shards: set[int], holder: str, *, until: datetime, now: datetime
+    ) -> set[int]:
         table = shards_table
-        taken = (
-            self._insert(table)
-            .values(shard=shard, holder=holder, held_until=until)
-            .on_conflict_do_update(
-                index_elements=["shard"],
-                set_={"holder": holder, "held_until": until},
-                where=or_(table.c.holder == holder, table.c.held_until <= now),
-            )
-            .returning(table.c.shard)
-        )
+        taken: set[int] = set()
         async with self._transaction() as connection:
-            return (await connection.execute(taken)).scalar() is not None
+            for shard in sorted(shards):
+                took = (
+                    self._insert(table)
+                    .values(shard=shard, holder=holder, held_until=until)
+                    .on_conflict_do_update(
+                        index_elements=["shard"],
+                        set_={"holder": holder, "held_until": until},
+                        where=or_(table.c.holder == holder, table.c.held_until <= now),
+                    )
+                    .returning(table.c.shard)
+                )
+                if (await connection.execute(took)).scalar() is not None:
+                    taken.add(shard)
+        return taken
 
     async def release(self, holder: str, shards: set[int]) -> None:
         if not shards:
@@ -294,17 +308,23 @@ class Shards:
             await self._store.release(self._holder, extra)
             for shard in extra:
                 del self._held[shard]
-        gained: set[int] = set()
+        wanted: set[int] = set()
+        room = self._target - len(self._held)
         for shard, found in (await _every_shard(self._store, self._shards)).items():
             if shard in self._held or (found is not None and found.held_until > now):
                 continue
             # a free shard only up to this dispatcher's share; a lapsed one (its holder died
             # or stalled) whatever the share, so no workspace stays undecided
-            if found is None and len(self._held) >= self._target:
-                continue
-            if await self._store.take(shard, self._holder, until=until, now=now):
-                self._held[shard] = until
-                gained.add(shard)
+            if found is None:
+                if room <= 0:
+                    continue
+                room -= 1
+            wanted.add(shard)
+        gained = (
+            await self._store.take(wanted, self._holder, until=until, now=now) if wanted else set()
+        )
+        for shard in gained:
+            self._held[shard] = until
         return gained
 
     async def release(self) -> None:
