@@ -103,3 +103,24 @@ async def test_the_flood_gets_a_message_each_time_a_worker_takes_one(harness: Ha
     runs = await source.runs(limit=1000)
     assert sorted(handed) == sorted(run.id for run in runs)
     assert {run.status for run in runs} == {"succeeded"}
+
+
+async def test_lost_messages_do_not_hold_their_workspaces_place(harness: Harness) -> None:
+    """Every message of a workspace lost (the broker says its queue is empty, no worker took
+    any): each is sent again in turn, and the run withheld behind them goes out too; a lost
+    message never keeps its place among those waiting in the broker."""
+    sent = Sent()
+    dispatcher = harness.dispatcher
+    harness.depth = 0
+    await publish(harness, FLOOD, 3)
+    first = await dispatcher.pass_once(sent.enqueue)
+    for _ in range(10):
+        harness.clock.now += REQUEUE_AFTER_S
+        await dispatcher.pass_once(sent.enqueue)
+
+    source = await harness.rules.open(*FLOOD, actor=SourceActor(name="test"))
+    runs = {run.id for run in await source.runs()}
+    handed = [run_id for message in sent.messages for run_id in message.run_ids]
+    assert (first.messages, first.withheld) == (FAIR_MESSAGES, 1)
+    assert set(handed) == runs
+    assert all(handed.count(run_id) >= 2 for run_id in handed[:FAIR_MESSAGES])

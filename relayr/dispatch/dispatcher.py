@@ -53,7 +53,7 @@ from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
 from relayr import broker
 from relayr.core import reasons
-from relayr.core.fairness import FairQueue
+from relayr.core.fairness import FairQueue, Message
 from relayr.core.run_messages import MAX_BATCH_RUNS, RunBatch
 from relayr.dispatch.changes import ChangeFeed, Changes, Workspace, feed_for
 from relayr.dispatch.evaluation import evaluate_each
@@ -165,10 +165,12 @@ class _Ledger:
     """The newest message a worker is known to have taken: the queue is past every older one."""
 
     def in_broker(self) -> dict[Workspace, int]:
-        """How many messages of each workspace no worker is known to have taken."""
+        """How many messages of each workspace wait in the broker, as far as this dispatcher
+        knows: none a worker took, nor one the queue went past (presumed lost, its runs are
+        sent again: a lost message must not hold its workspace's place)."""
         counted: dict[Workspace, int] = {}
         for message in self.messages.values():
-            if message.taken_at is None:
+            if message.taken_at is None and message.passed_at is None:
                 counted[message.workspace] = counted.get(message.workspace, 0) + 1
         return counted
 
@@ -271,9 +273,8 @@ class Dispatcher:
         if changes is not None:
             self._to_evaluate.update(dict.fromkeys(sorted(changes.rules)))
             self._to_follow.update(dict.fromkeys(sorted(changes.artifacts)))
-        bridged_to = await self._follow(sweep)
-        bridged = bridged_to[0]
-        self._to_evaluate.update(dict.fromkeys(bridged_to[1]))
+        bridged, moved = await self._follow(sweep)
+        self._to_evaluate.update(dict.fromkeys(moved))
         now = self._monotonic()
         ticks = 0
         if self._rules.schedules and (
@@ -319,7 +320,8 @@ class Dispatcher:
             # without reading every due run again (see DUE_READ_INTERVAL_S)
             due = fired
             listed = {_key(ref, run): run for ref, run in fired}
-        waiting = again = 0
+        waiting = 0
+        lost: list[tuple[_RunKey, Run]] = []
         for key, run in listed.items():
             queued = self._sent.runs.get(key)
             if queued is None or queued.attempt != _attempt(run):
@@ -331,15 +333,15 @@ class Dispatcher:
                     key=key,
                     message=queued.message.seq,
                 )
-                self._fair.add(key[:2], key, _Due(key, run), alone=_alone(run))
-                again += 1
+                self._fair.remove(key)
+                lost.append((key, run))
             else:
                 waiting += 1
         if full_list:  # what the fair queue holds that is no longer due
             for held in self._fair:
                 if held not in listed:
                     self._fair.remove(held)
-        enqueued, messages, failed = await self._hand_out(enqueue)
+        enqueued, messages, failed = await self._hand_out(enqueue, lost)
         done = DispatchPass(
             ticks=ticks,
             firings=len(fired),
@@ -347,7 +349,7 @@ class Dispatcher:
             enqueued=enqueued,
             messages=messages,
             waiting=waiting,
-            again=again,
+            again=len(lost),
             failed=failed,
             bridged=bridged,
             withheld=len(self._fair),
@@ -496,10 +498,28 @@ class Dispatcher:
             del sent.runs[key]
         sent.messages = {seq: m for seq, m in sent.messages.items() if m.runs}
 
-    async def _hand_out(self, enqueue: Enqueue) -> tuple[int, int, int]:
-        """Send what the fair queue hands out now; return runs, messages and runs refused."""
+    async def _hand_out(
+        self, enqueue: Enqueue, lost: Sequence[tuple[_RunKey, Run]]
+    ) -> tuple[int, int, int]:
+        """Send the runs of lost messages again, each message in the place of the one lost (so
+        outside the fair hand-out, which counted it), then what the fair queue hands out now;
+        return runs, messages and runs refused."""
+        again: list[Message[_Due]] = []
+        for key, run in lost:
+            due = _Due(key, run)
+            last = again[-1] if again else None
+            if (
+                last is not None
+                and last.workspace == key[:2]
+                and len(last.items) < MAX_BATCH_RUNS
+                and not _alone(run)
+                and not _alone(last.items[-1].run)
+            ):
+                again[-1] = Message(last.workspace, (*last.items, due))
+            else:
+                again.append(Message((key[0], key[1]), (due,)))
         enqueued = messages = failed = 0
-        for message in self._fair.hand_out(self._sent.in_broker()):
+        for message in [*again, *self._fair.hand_out(self._sent.in_broker())]:
             runs = [(due.key, due.run) for due in message.items]
             tenant_id, workspace_id = message.workspace
             batch = RunBatch(
