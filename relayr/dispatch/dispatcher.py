@@ -290,7 +290,9 @@ class Dispatcher:
             [WorkspaceRef(tenant_id, workspace_id) for tenant_id, workspace_id in chosen],
             evaluated_to=self._evaluated_to,
         )
-        if changes is not None:
+        if sweep:  # a sweep learns of every message taken, as a change would
+            await self._check_taken({m.workspace for m in self._sent.messages.values()}, now)
+        elif changes is not None:
             await self._check_taken(changes.rules, now)
         policy = RunPolicy.of(self._rules.rules.values())
         now = self._monotonic()
