@@ -29,8 +29,6 @@ from tests.dispatch.dispatch_harness import (
     Ping,
     opened,
 )
-from tests.dispatch.dispatch_harness import database_url as database_url  # the storage, a fixture
-from tests.dispatch.dispatch_harness import harness as harness  # the fixture, on every storage
 
 
 async def test_serve_dispatches_until_stopped(harness: Harness) -> None:

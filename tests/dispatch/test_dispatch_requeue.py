@@ -10,8 +10,6 @@ messages, its clocks moved by the test) is :mod:`tests.dispatch.dispatch_harness
 
 from relayr.core.run_messages import RunBatch
 from tests.dispatch.dispatch_harness import REQUEUE_AFTER_S, Harness, Ping
-from tests.dispatch.dispatch_harness import database_url as database_url  # the storage, a fixture
-from tests.dispatch.dispatch_harness import harness as harness  # the fixture, on every storage
 
 
 async def test_a_message_the_queue_went_past_is_sent_again_after_requeue_after_s(
