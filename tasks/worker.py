@@ -1,13 +1,12 @@
 """A worker process's one event loop, and the Celery signals that start and stop it.
 
 relayr is async (both libraries are), Celery tasks are not. Async engines, artifactr's
-``SqlStorage`` and its ``Runner`` belong to the loop that made them, and an agent turn is a task
-of that loop: a loop per task (``asyncio.run``) would break the storage on the second task and
-cancel every turn when the task returns. So each pool process owns ONE loop, running forever in
-a background thread, created after the fork (``worker_process_init``), holding the process's
+``SqlStorage`` and its ``Runner`` belong to the loop that made them, and an agent turn is a task of
+that loop: a loop per task (``asyncio.run``) would break the storage on the second task and cancel
+every turn when the task returns. So each pool process owns ONE loop, running forever in a
+background thread, created after the fork (``worker_process_init``), holding the process's
 :class:`relayr.runtime.process.Runtime`. A task body, in the process's main thread, hands its
-coroutine
-to that loop (``run_coroutine_threadsafe``) and waits for the result:
+coroutine to that loop (``run_coroutine_threadsafe``) and waits for the result:
 
 - a turn that a run's send started keeps running on the loop after the task returns;
 - Celery's soft time limit, a signal that Python delivers to the main thread, interrupts the

@@ -118,7 +118,7 @@ def on_rules[T](settings: "Settings", work: Callable[["Workspaces"], Awaitable[T
     """Run ``work`` on the application's reflexr workspaces (its rules part), then close them."""
 
     async def main() -> T:
-        from relayr.runtime.parts import opened_rules
+        from relayr.runtime.application_parts import opened_rules
 
         async with opened_rules(settings) as rules:
             return await work(rules)

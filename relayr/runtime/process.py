@@ -65,13 +65,11 @@ class Runtime:
     :meth:`aclose` before that loop ends.
 
     Attributes:
-        settings: The process's settings.
-        application: The user's application, built in this loop.
-        bridge: What runs act through; every run's ``Reaction.deps``.
-        holder: This process's name in reflexr's leases.
-        role: What the process is: a worker executes runs and recovers turns.
-        recovered: The turns recovery started.
-        executing: The runs this process is executing now, as (tenant, workspace, run) ids.
+        settings: The process's settings. application: The user's application, built in this loop.
+        bridge: What runs act through; every run's ``Reaction.deps``. holder: This process's name in
+        reflexr's leases. role: What the process is: a worker executes runs and recovers turns.
+        recovered: The turns recovery started. executing: The runs this process is executing now, as
+        (tenant, workspace, run) ids.
             Its executors share one lease holder, so a second delivery of a run to the same
             process must be told apart here, not by the lease.
     """
