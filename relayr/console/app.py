@@ -39,7 +39,7 @@ from starlette.staticfiles import StaticFiles
 
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.rows import AmbiguousRun
-from relayr.ops.runs import Done, EnqueueRun, not_enqueued
+from relayr.ops.runs import EnqueueRun, OperatorResult, not_enqueued
 from relayr.runtime.process import Runtime
 from relayr.settings import redact
 
@@ -278,7 +278,9 @@ def create_app(console: Console) -> Starlette:
         results = await actions.confirm_retry(runtime, console.enqueue, refs)
         return done(request, "Retry dead runs", results, back=href("/runs", query.params()))
 
-    def done(request: Request, action: str, results: list[Done], *, back: str) -> Response:
+    def done(
+        request: Request, action: str, results: list[OperatorResult], *, back: str
+    ) -> Response:
         logger.info(
             "console action",
             action=action,

@@ -222,7 +222,7 @@ class RunActions(ArtifactChanges):
             started = await self._writes.guarded(
                 f"asking for the turn of message {message_id}", lambda: runner.ask(handle, thread)
             )
-        self._bridge.turns.started(started, again=lambda: runner.ask(handle, thread))
+        self._bridge.turns.started(started, ask_again=lambda: runner.ask(handle, thread))
         record = self._writes.record(self._run, "message", outcome, thread, message_id, content)
         self.pending.emission(record)
         self._writes.emitted(record, turn=None if started is None else started.run_id)
