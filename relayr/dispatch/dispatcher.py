@@ -1,42 +1,18 @@
 """The dispatcher: decide which runs exist, and hand each due run to a queue, once per attempt.
 
-It is woken by the store, not by a clock (:mod:`relayr.dispatch.changes`): a pass follows the
-artifactr logs that moved into reflexr (:mod:`relayr.follow`: the bridged ``artifactr:*``
-events, under one lease per workspace, ADR-0065), and evaluates the rules of the reflexr
-workspaces whose logs moved, each in one transaction up to the log's head as the pass found it
-(:mod:`relayr.dispatch.evaluation`), at most :data:`EVALUATION_BATCH` workspaces a pass, the
-rest in the passes right after. A workspace where nothing moved costs nothing. A slow sweep
-(``dispatch_sweep_s``) compares every workspace's head with what was evaluated, in case a
-notification was lost; schedules are ticked (reflexr's ``Reactor``, when the application has
-any) and the due list read at least every ``dispatch_interval_s``.
-
-The due list holds pending and retrying runs whose time has come and that are first in their
-scope, and ``running`` runs whose lease lapsed because their worker died. Due runs wait in a
-fair queue (:class:`relayr.core.fairness.FairQueue`): at most ``fair_messages`` messages of one
-workspace wait in the broker at once, handed out between tenants and workspaces in turn as
-workers take them, so one workspace's backlog never holds another's new run behind it. Due
-runs of one workspace go to the queue together, up to
-:data:`relayr.core.run_messages.MAX_BATCH_RUNS` per message (:class:`RunBatch`); a run whose
-last attempt was abandoned, so may be what killed its worker, goes alone.
-
-The store, not the queue, is the truth about a run (ADR-0001), so the dispatcher keeps only a
-hint in memory: which attempt of each run it enqueued, in which message. A run whose attempt
-changed is enqueued at once. A run still due at the attempt it was enqueued for is enqueued
-again only once its message is presumed lost, which the queue itself shows, since it hands out
-messages in the order they were sent (ADR-0003):
-
-- a message sent after it was taken by a worker (one of its runs left the due list), yet this
-  one's runs are still due: the queue went past it;
-- it is the oldest message still waiting, and the broker's queue is empty (when the broker can
-  say how many messages wait; else, being the oldest is enough);
-- it was taken (one of its runs started) and a run of it is still due: the claim failed.
-
-In each case the run is enqueued again :attr:`~relayr.settings.Settings.requeue_after_s`
-after the dispatcher first saw that, so a lost message costs that much time, however long the
-queue is and however long the run waited, and a message that merely waits behind others is
-never copied. A duplicate costs one claim that is declined (``contended`` or ``not_due``),
-never a second attempt. A restarted dispatcher knows nothing and enqueues every due run once
-more, the same harmless duplicate.
+Woken by the store (:mod:`relayr.dispatch.changes`, ADR-0091), a pass follows the artifactr
+logs that moved into reflexr (ADR-0065) and evaluates the reflexr workspaces that moved
+(:mod:`relayr.dispatch.evaluation`), at most :data:`EVALUATION_BATCH` a pass; a slow sweep
+catches a lost notification, and schedules and the due list are read on time. Due runs wait in
+a fair queue and go out between tenants and workspaces in turn, at most ``fair_messages``
+messages of a workspace in the broker (ADR-0093), up to
+:data:`relayr.core.run_messages.MAX_BATCH_RUNS` per message (a run whose last attempt was
+abandoned goes alone). In :meth:`Dispatcher.serve` a dispatcher decides only the workspaces of
+the shards it holds (:mod:`relayr.dispatch.shards`, ADR-0092), so any number can run. The store
+is the truth (ADR-0001): the dispatcher remembers only which attempt it enqueued, and enqueues
+again a run whose message it presumes lost, :attr:`~relayr.settings.Settings.requeue_after_s`
+after the queue shows it (ADR-0003). A duplicate costs one declined claim, never a second
+attempt.
 """
 
 import asyncio
@@ -54,7 +30,7 @@ from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 from relayr import broker
 from relayr.core import reasons
 from relayr.core.fairness import FairQueue, Message
-from relayr.core.run_messages import MAX_BATCH_RUNS, RunBatch
+from relayr.core.run_messages import MAX_BATCH_RUNS, RunMessage
 from relayr.dispatch.changes import ChangeFeed, Changes, Workspace, feed_for
 from relayr.dispatch.evaluation import evaluate_each
 from relayr.dispatch.shards import InMemoryShardStore, Shards, SqlShardStore
@@ -65,7 +41,7 @@ from relayr.settings import Settings
 if TYPE_CHECKING:
     from relayr.follow.follower import Followers
 
-type Enqueue = Callable[[RunBatch], Awaitable[None]]
+type Enqueue = Callable[[RunMessage], Awaitable[None]]
 """Hands one message to the queue: ``await enqueue(batch)``."""
 
 type QueueDepth = Callable[[], Awaitable[int | None]]
@@ -524,7 +500,7 @@ class Dispatcher:
         for message in [*again, *self._fair.hand_out(self._sent.in_broker())]:
             runs = [(due.key, due.run) for due in message.items]
             tenant_id, workspace_id = message.workspace
-            batch = RunBatch(
+            batch = RunMessage(
                 tenant_id=tenant_id,
                 workspace_id=workspace_id,
                 run_ids=tuple(run.id for _, run in runs),
