@@ -1,23 +1,11 @@
-"""Fair hand-out of due runs between workspaces and tenants: a pure queue, no I/O, no clock.
+"""Fair hand-out of due runs between workspaces and tenants: a pure queue (ADR-0093).
 
-The dispatcher puts every due run it has not handed out yet into a :class:`FairQueue`, one lane
-per workspace, in the order the runs came due, and asks it which messages to send now. The
-queue guarantees:
-
-- **bounded waiting**: at most ``per_workspace`` messages of one workspace wait in the broker
-  at once (the caller says how many wait now); the rest of its backlog stays here. A new run of
-  another workspace so waits behind at most ``per_workspace`` messages of each busy workspace,
-  however large their backlogs;
-- **fair between tenants, then workspaces**: messages go to tenants by virtual time (each
-  message a tenant gets costs it ``1 / weight``; a tenant that had nothing waiting starts at
-  the least busy tenant's time, so idleness banks no credit), and within a tenant to its
-  workspaces in turn;
-- **work-conserving**: a message is withheld only while its workspace has ``per_workspace``
-  waiting; a lone busy workspace gets a new message each time a worker takes one, so it keeps
-  every worker busy;
-- **order within a workspace**: runs leave a lane in the order they entered it; a run marked
-  ``alone`` (its last attempt was abandoned: it may be what killed a worker) leaves in a
-  message of its own.
+One lane per workspace, in the order runs came due. :meth:`FairQueue.hand_out` sends a
+workspace's next message only while fewer than ``per_workspace`` of its messages wait in the
+broker, to tenants by virtual time (a message costs ``1 / weight``; a tenant idle until now
+joins at the least-served active tenant's time) and within a tenant to its workspaces in turn.
+It withholds nothing else, so a lone busy workspace gets a message each time one is taken. A
+run marked ``alone`` leaves in a message of its own.
 """
 
 import math
@@ -102,7 +90,7 @@ class FairQueue[T]:
             lane.items[key] = (item, alone)
             return
         tenant, name = workspace
-        if tenant not in self._turns:  # idle until now: it starts at the busiest's pace
+        if tenant not in self._turns:  # idle until now: it joins the least-served's time
             floor = min((self._tenant_time[t] for t in self._turns), default=0.0)
             self._tenant_time[tenant] = max(self._tenant_time.get(tenant, 0.0), floor)
         if not lane.items:

@@ -1,29 +1,14 @@
-"""Which workspaces' logs moved: the store tells the dispatcher, within milliseconds of a commit.
+"""Which workspaces' logs moved, as the store says, whoever wrote them (ADR-0091).
 
 A :class:`ChangeFeed` gathers the workspaces whose reflexr log (rules to evaluate) or artifactr
-log (envelopes to follow) grew, whoever wrote them: relayr's commands, workers, or any other
-process that writes the libraries' stores. The dispatcher takes what gathered, evaluates and
-follows only those, and waits on the feed when nothing did: an idle workspace costs nothing.
-
-- **PostgreSQL**: a trigger on both libraries' workspace rows (the row every transaction locks,
-  whose ``head_seq`` moves with each envelope appended) sends ``NOTIFY`` on
-  :data:`CHANNEL` with the workspace; the feed ``LISTEN``\\ s on a connection of its own.
-  PostgreSQL delivers a notification after its transaction commits, once per workspace and
-  transaction.
-- **SQLite** (the embedded default): a trigger on the same rows writes the workspace and a
-  rising version into :data:`CHANGES_TABLE` (one row per workspace); the feed polls SQLite's
-  ``PRAGMA data_version`` (which moves when another connection commits, and costs no disk read)
-  every :data:`SQLITE_POLL_S`, and reads the rows past the last version it saw only then.
-- **In memory**: reflexr's storage signals the feed as each transaction commits.
-
-Notifications can be lost (the listening connection dropped, a trigger dropped by hand): the
-feed then says so (:attr:`Changes.everything`), and the dispatcher's slow sweep
-(``RELAYR_DISPATCH_SWEEP_S``) compares every workspace's head with what it evaluated, so
-nothing is ever missed for longer than that. :meth:`ChangeFeed.heads` is that comparison's
-one read.
-
-The triggers and the table are created at start, idempotently, by :func:`install` (a
-PostgreSQL advisory lock keeps dispatchers that start together from racing).
+log (envelopes to follow) grew; the dispatcher takes what gathered and waits on it otherwise.
+PostgreSQL: a trigger on both libraries' workspace rows sends ``NOTIFY`` on :data:`CHANNEL`,
+heard on a connection of the feed's own. SQLite: the trigger writes into
+:data:`CHANGES_TABLE`, read when ``PRAGMA data_version`` moved (polled every
+:data:`SQLITE_POLL_S`). In memory: reflexr's storage signals as it commits. A notification may
+be lost; the feed then says so (:attr:`Changes.everything`), and :meth:`ChangeFeed.heads` is
+the one read the dispatcher's sweep compares. :func:`install` creates the triggers at start,
+idempotently.
 """
 
 import asyncio

@@ -1,26 +1,11 @@
-"""Several dispatchers share the work: workspaces in shards, each shard held under a lease.
+"""Several dispatchers share the work: workspaces in shards, each held under a lease (ADR-0092).
 
-A workspace belongs to one of ``dispatch_shards`` shards, by a stable hash of its tenant and id
-(:func:`shard_of`), the same in every process. Each dispatcher:
-
-- says it is alive (a row renewed every third of ``lease_ttl_s``), and counts the dispatchers
-  alive;
-- holds about ``ceil(shards / alive)`` shards, each under a lease renewed with its beat: it
-  gives up what it holds beyond that, takes free shards up to it, and takes every shard whose
-  lease lapsed (a dispatcher that died, SIGKILL included, frees its shards ``lease_ttl_s``
-  after its last renewal; another takes them at its next beat, a third of that later at most);
-- decides (follows, evaluates, hands out the due runs of) only the workspaces of the shards it
-  holds, and only while its lease has more than a third of ``lease_ttl_s`` left, so no
-  workspace is decided by two dispatchers at once as long as a pass is shorter than that and
-  the hosts' clocks agree (as for reflexr's and the followers' leases).
-
-Nothing is lost in a hand-over: what a dispatcher knows is a hint, the store is the truth, so
-the one that takes a shard sweeps its workspaces (heads against what it evaluated) and reads
-the due runs. Nothing runs twice: claims are reflexr's (a duplicate message is a declined
-claim).
-
-Two adapters keep one contract: :class:`InMemoryShardStore` and :class:`SqlShardStore` (tables
-``relayr_dispatch_shards`` and ``relayr_dispatchers``, created when missing as the ledger's).
+A workspace's shard is a stable hash of its tenant and id (:func:`shard_of`). Each dispatcher
+beats, holds about ``ceil(shards / alive)`` shards under leases of ``lease_ttl_s`` renewed
+with each beat, takes every shard whose lease lapsed (a dead dispatcher's), and decides only
+the workspaces of shards whose lease has more than a third left, so no workspace is decided by
+two at once. :class:`InMemoryShardStore` and :class:`SqlShardStore` (tables
+``relayr_dispatch_shards`` and ``relayr_dispatchers``, created when missing) keep one contract.
 """
 
 import hashlib
