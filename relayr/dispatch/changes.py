@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final, Literal
 
 import structlog
@@ -206,7 +207,7 @@ class SqliteFeed(ChangeFeed):
     def __init__(self, engine: AsyncEngine, *, poll_s: float = SQLITE_POLL_S) -> None:
         super().__init__()
         self._engine = engine
-        self._path = str(engine.url.database)
+        self._uri = f"{Path(str(engine.url.database)).absolute().as_uri()}?mode=ro"
         self._poll_s = poll_s
         self._connection: sqlite3.Connection | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -215,7 +216,10 @@ class SqliteFeed(ChangeFeed):
     async def start(self) -> None:
         self.sees_artifacts = "artifactr" in await install(self._engine)
         connection = sqlite3.connect(
-            f"file:{self._path}?mode=ro", uri=True, timeout=1.0, check_same_thread=False
+            self._uri,
+            uri=True,
+            timeout=1.0,
+            check_same_thread=False,
         )
         connection.isolation_level = None
         self._connection = connection
