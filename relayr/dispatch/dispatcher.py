@@ -399,9 +399,11 @@ class Dispatcher:
         """Keep this dispatcher's shards when it is time; whether it gained some (then the
         pass sweeps them and reads the due list: what their last holder knew is gone)."""
         shards = self._shards
-        if shards is None or not shards.due():
+        if shards is None:
             return False
         try:
+            if not await shards.due():
+                return False
             gained = await shards.keep()
         except Exception:
             logger.exception("keeping the dispatch shards failed; the next pass tries again")

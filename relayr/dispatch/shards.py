@@ -205,8 +205,8 @@ class SqlShardStore(SqlStore):
 
 
 SHORT_RETRY_S: Final = 1.0
-"""How often a dispatcher below its share looks for shards to take: the others give theirs up at
-their next beat, so it gets them within a third of the lease, a read or three a second."""
+"""How often a dispatcher looks for shards to take between beats (one read of the leases): the
+others give their extra shards up at their next beat, and a dead one's lapse in between."""
 
 _FORGET = timedelta(hours=1)
 """How long a dispatcher's row stays after it stopped beating: long enough to read who it was."""
@@ -256,6 +256,7 @@ class Shards:
         self._monotonic = monotonic
         self._held: dict[int, datetime] = {}
         self._kept_at: float | None = None
+        self._looked_at: float | None = None
         self._target = shards
 
     @property
@@ -269,14 +270,20 @@ class Shards:
         until = self._held.get(shard_of(tenant_id, workspace_id, self._shards))
         return until is not None and until - self._clock() > self._ttl / 3
 
-    def due(self) -> bool:
-        """Whether :meth:`keep` has something to do: a third of the lease passed, or this
-        dispatcher holds fewer shards than its share (then every :data:`SHORT_RETRY_S`)."""
-        if self._kept_at is None:
+    async def due(self) -> bool:
+        """Whether :meth:`keep` has something to do: a third of the lease passed, or (looked at
+        every :data:`SHORT_RETRY_S`) this dispatcher holds fewer shards than its share, or a
+        shard's lease lapsed: a dead dispatcher's shards are taken within a second of that."""
+        now = self._monotonic()
+        if self._kept_at is None or now - self._kept_at >= self._ttl.total_seconds() / 3:
             return True
-        since = self._monotonic() - self._kept_at
-        short = len(self._held) < self._target and since >= SHORT_RETRY_S
-        return short or since >= self._ttl.total_seconds() / 3
+        if self._looked_at is not None and now - self._looked_at < SHORT_RETRY_S:
+            return False
+        self._looked_at = now
+        if len(self._held) < self._target:
+            return True
+        wall = self._clock()
+        return any(h.held_until <= wall for h in await self._store.holdings())
 
     async def keep(self) -> set[int]:
         """Beat, renew the leases held, give up what is beyond this dispatcher's share and take

@@ -144,3 +144,28 @@ def test_a_workspaces_shard_is_stable_and_spread() -> None:
     assert shard_of("acme", "ops", SHARDS) == shard_of("acme", "ops", SHARDS)
     spread = {shard_of("acme", f"w{index}", SHARDS) for index in range(1000)}
     assert len(spread) == SHARDS
+
+
+async def test_a_dead_dispatchers_shards_are_taken_within_a_second_of_their_lapse(
+    store: ShardStore,
+) -> None:
+    """Between its beats, a dispatcher looks at the leases every second: a shard that lapsed
+    is not left undecided until its next beat."""
+    clock = WallClock()
+    first, second = dispatcher(store, "a", clock), dispatcher(store, "b", clock)
+    await settle(clock, first, second)  # first's last renewal: a third of the lease ago
+    orphaned = set(first.held)
+    lapse = clock.now + timedelta(seconds=TTL_S * 2 / 3)
+    clock.now += timedelta(seconds=1)
+    await second.keep()
+    clock.now += timedelta(seconds=TTL_S / 3)
+    await second.keep()  # its last beat before the lapse; the next comes a second after it
+
+    clock.now = lapse - timedelta(seconds=0.5)
+    before = await second.due()
+    clock.now = lapse + timedelta(seconds=0.5)
+    after = await second.due()
+    gained = await second.keep()
+
+    assert (before, after) == (False, True)
+    assert orphaned <= gained
