@@ -15,7 +15,8 @@ The commands, by family, each in a module of its own:
 - :mod:`relayr.cli.follow`: ``relayr follow``, the followers alone, and their dead letters;
 - :mod:`relayr.cli.allowlist`, :mod:`relayr.cli.runs`, :mod:`relayr.cli.health`: the operators'
   ``relayr allowlist``, ``relayr runs`` and ``relayr health``;
-- :mod:`relayr.cli.console`: ``relayr console``, the same in a browser (:mod:`relayr.console`).
+- :mod:`relayr.cli.console`: ``relayr console``, the same in a browser (:mod:`relayr.console`);
+- :mod:`relayr.cli.db`: ``relayr db upgrade`` and ``relayr db current``, the database's schemas.
 
 A command's module is imported when the command is called or listed, and imports only click and
 the helpers when it is: Celery, the libraries and the application are imported by the command
@@ -32,6 +33,7 @@ import click
 COMMANDS: Final = {
     "allowlist": "relayr.cli.allowlist:allowlist",
     "console": "relayr.cli.console:console",
+    "db": "relayr.cli.db:db",
     "demo": "relayr.cli.demo:demo",
     "dispatch": "relayr.cli.serve:dispatch",
     "follow": "relayr.cli.follow:follow",

@@ -11,8 +11,8 @@ follower publishes what it publishes, and the ids make a repeat a no-op (ADR-006
 Two adapters keep one contract, checked by one test suite: :class:`InMemoryFollowStore` (a
 process's memory: tests, ``memory://``) and :class:`SqlFollowStore` (SQLite or PostgreSQL,
 tables ``relayr_follow_cursors`` and ``relayr_follow_dead_letters`` in the database the ledger
-uses, created when missing as the ledger's are). Times are the caller's clock, in UTC: every
-process that follows must keep its clock in step, as for reflexr's own leases.
+uses, upgraded by relayr's migrations as the ledger's are). Times are the caller's clock, in
+UTC: every process that follows must keep its clock in step, as for reflexr's own leases.
 """
 
 from collections.abc import Collection, Sequence
@@ -228,6 +228,8 @@ def workspace_order(key: WorkspaceKey) -> tuple[str, str]:
 
 
 metadata = MetaData()
+"""The followers' tables as the code reads and writes them. relayr's migrations make them: a
+change here is a new migration too (the migration tests compare the two)."""
 
 cursors_table = Table(
     "relayr_follow_cursors",
@@ -266,7 +268,7 @@ class SqlFollowStore(SqlStore):
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
-        super().__init__(engine, metadata, refusal="followers store")
+        super().__init__(engine, refusal="followers store")
 
     async def take(
         self, workspace: WorkspaceKey, holder: str, *, until: datetime, now: datetime
