@@ -88,3 +88,10 @@ def upgrade() -> None:
             sa.Column("replayed_at", sa.DateTime(timezone=True), nullable=True),
             sa.PrimaryKeyConstraint("tenant_id", "workspace_id", "envelope_id"),
         )
+
+
+def downgrade() -> None:
+    """relayr's migrations only go forward (ADR-0091)."""
+    raise NotImplementedError(
+        "relayr's migrations only go forward: restore a backup made before the upgrade"
+    )
