@@ -18,7 +18,8 @@ the line the command prints names the one it took.
 answer): the health check of a deployment that runs it.
 
 Starlette, Jinja2 and uvicorn are imported when the command runs, never for ``--help``
-(ADR-0050).
+(ADR-0050); they are the ``console`` extra's, and without it the command stops with exit code 2
+naming it (ADR-0092).
 """
 
 import re
@@ -47,6 +48,16 @@ WILDCARDS: Final = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 ANY_HOST: Final = "*"
 """``--allowed-host``'s value that answers every host name (a proxy in front checks them)."""
+
+CONSOLE_EXTRA: Final = {
+    "starlette": "starlette",
+    "jinja2": "jinja2",
+    "uvicorn": "uvicorn",
+    "python_multipart": "python-multipart",
+    "itsdangerous": "itsdangerous",
+}
+"""What the console imports from the ``console`` extra, by module, with the distribution that
+provides each: a worker installs relayr without them (ADR-0092)."""
 
 HOST_NAME: Final = re.compile(
     r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*"
@@ -99,6 +110,7 @@ def console(
     if probe:
         _probe(host, port)
         return
+    require_the_extra()
     hosts = parse_allowed_hosts(allowed_hosts)
     settings = load_settings(log_level="INFO")
     if settings.console_token is None:
@@ -110,6 +122,27 @@ def console(
         _serve(settings, listener, access, hosts, https_only)
     finally:
         listener.close()
+
+
+def require_the_extra() -> None:
+    """Import the console's web stack, or stop: bad input naming the extra to install.
+
+    Raises:
+        BadInput: Naming the ``console`` extra and the distributions that are missing.
+    """
+    import importlib
+
+    missing = []
+    for module, distribution in CONSOLE_EXTRA.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(distribution)
+    if missing:
+        fail(
+            f"relayr console needs the console extra ({', '.join(missing)} not installed): "
+            "pip install 'relayr[console]'"
+        )
 
 
 def parse_allowed_hosts(values: Sequence[str]) -> frozenset[str] | None:

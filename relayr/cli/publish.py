@@ -16,7 +16,8 @@ One event: ``--data`` with its fields as a JSON object, and ``--id`` to publish 
   adds nothing, and a file whose publishing stopped half way can be published again whole.
   Without a prefix, the error of a publish that stopped half way names the last line published:
   publish the lines after it, not the whole file again.
-- A progress bar on stderr when it is a terminal (tqdm), nothing otherwise.
+- A progress bar on stderr when it is a terminal and tqdm (the ``console`` extra) is
+  installed, nothing otherwise.
 
 This command builds only the application's rules part (reflexr, ADR-0050): no artifactr.
 """
@@ -436,9 +437,12 @@ class _NoProgress:
 
 
 def _progress(total: int) -> Any:
-    """A progress bar on stderr when it is a terminal (tqdm), else one that shows nothing."""
+    """A progress bar on stderr when it is a terminal and tqdm (the ``console`` extra) is
+    installed, else one that shows nothing."""
     if not sys.stderr.isatty():
         return _NoProgress()
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
     return tqdm(total=total, unit="event", file=sys.stderr, leave=False)
