@@ -10,6 +10,7 @@ database move apart (ADR-0091). Alembic is imported when a migration runs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -105,8 +106,10 @@ async def revisions(engine: AsyncEngine, schemas: tuple[Schema, ...] = SCHEMAS) 
         return await connection.run_sync(_revisions, schemas)
 
 
+@functools.cache
 def head(schema: Schema = RELAYR) -> str:
-    """The newest revision of ``schema``'s installed migrations."""
+    """The newest revision of ``schema``'s installed migrations (read once per process: they
+    are the installed package's files)."""
     from alembic.script import ScriptDirectory
 
     found = ScriptDirectory.from_config(_config(schema)).get_current_head()
