@@ -19,7 +19,7 @@ answer): the health check of a deployment that runs it.
 
 Starlette, Jinja2 and uvicorn are imported when the command runs, never for ``--help``
 (ADR-0050); they are the ``console`` extra's, and without it the command stops with exit code 2
-naming it (ADR-0092).
+naming it (ADR-0102).
 """
 
 import re
@@ -57,7 +57,7 @@ CONSOLE_EXTRA: Final = {
     "itsdangerous": "itsdangerous",
 }
 """What the console imports from the ``console`` extra, by module, with the distribution that
-provides each: a worker installs relayr without them (ADR-0092)."""
+provides each: a worker installs relayr without them (ADR-0102)."""
 
 HOST_NAME: Final = re.compile(
     r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*"
