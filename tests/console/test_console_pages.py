@@ -20,8 +20,6 @@ from reflexr.workspace import Reactor
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.console.console_http import SCRIPT, WHERE, environment_of
-from tests.console.console_http import read_only as read_only  # the fixture, read-only
-from tests.console.console_http import token_console as token_console  # the fixture, with a token
 from tests.consoles import Client, Console, relayr, running_console
 
 

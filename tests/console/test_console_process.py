@@ -12,7 +12,6 @@ from pathlib import Path
 
 from relayr.cli.processes import relayr_command
 from tests.console.console_http import environment_of
-from tests.console.console_http import token_console as token_console  # the fixture, with a token
 from tests.consoles import Console, running_console
 from tests.workers import REPO
 

@@ -19,7 +19,6 @@ from relayr.console.security import (
     MAX_BODY_BYTES,
 )
 from tests.console.console_http import TOKEN, environment_of
-from tests.console.console_http import token_console as token_console  # the fixture, with a token
 from tests.consoles import Client, Console, running_console
 from tests.workers import REPO
 

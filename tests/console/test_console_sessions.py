@@ -24,8 +24,6 @@ from relayr.console.security import (
     session_secret,
 )
 from tests.console.console_http import TOKEN
-from tests.console.console_http import read_only as read_only  # the fixture, read-only
-from tests.console.console_http import token_console as token_console  # the fixture, with a token
 from tests.consoles import Client, Console
 
 PAGES = ("/runs", "/runs?status=dead", "/allowlist", "/health", "/login")

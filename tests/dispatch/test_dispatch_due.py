@@ -29,8 +29,6 @@ from tests.dispatch.dispatch_harness import (
     Ping,
     Step,
 )
-from tests.dispatch.dispatch_harness import database_url as database_url  # the storage, a fixture
-from tests.dispatch.dispatch_harness import harness as harness  # the fixture, on every storage
 
 
 async def test_each_due_run_is_enqueued_once(harness: Harness) -> None:

@@ -30,7 +30,6 @@ from relayr.ops.rows import AmbiguousRun, RunFilter, find_run, list_runs
 from relayr.ops.runs import cancel, find_runs
 from tests.execution.test_actions import Note
 from tests.ops.ops_harness import KEY, RULES, TENANT, WORKSPACE, Crashed, Flaked, Ops
-from tests.ops.ops_harness import ops as ops  # the fixture, on SQLite and PostgreSQL
 
 
 async def test_a_shorter_list_is_the_start_of_the_longer_one(ops: Ops) -> None:

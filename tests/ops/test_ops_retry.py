@@ -14,7 +14,6 @@ from relayr.ops.report import show_run
 from relayr.ops.rows import RunFilter, find_run, list_runs
 from relayr.ops.runs import ENQUEUE_FAILED, cancel, find_runs, not_enqueued, retry, skip
 from tests.ops.ops_harness import KEY, WORLD, Crashed, Flaked, Ops, _ref
-from tests.ops.ops_harness import ops as ops  # the fixture, on SQLite and PostgreSQL
 
 
 async def test_a_dead_run_is_listed_retried_and_posts_one_notice(ops: Ops) -> None:

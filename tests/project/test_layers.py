@@ -74,6 +74,7 @@ def test_the_tree_keeps_every_contract() -> None:
         ("relayr/observe/metrics.py", "import relayr.runtime.process", "layered by stage"),
         ("relayr/dispatch/evaluation.py", "import relayr.ops.rows", "layered by stage"),
         ("relayr/settings.py", "import relayr.ledger.port", "layered by stage"),
+        ("relayr/execution/writes.py", "import relayr.observe.metrics", "The path emits facts"),
     ],
 )
 def test_a_forbidden_import_breaks_make_check(
