@@ -4,7 +4,7 @@ Same settings and storage as every command; a retry from the browser is ``relayr
 It binds to loopback unless ``--host`` says otherwise, acts only with ``RELAYR_CONSOLE_TOKEN``
 set, and answers only IP addresses, ``localhost`` and ``--allowed-host`` names (ADR-0070).
 Invalid settings, a malformed ``--allowed-host``, a port in use or an application that cannot
-load are bad input (exit 2), and so is a missing ``console`` extra, named (ADR-0102).
+load are bad input (exit 2), and so is a missing ``console`` extra, named (ADR-0111).
 ``--port 0`` takes a free port and prints it; ``--probe`` asks a running console's
 ``/healthz``.
 """
@@ -44,7 +44,7 @@ CONSOLE_EXTRA: Final = {
     "itsdangerous": "itsdangerous",
 }
 """What the console imports from the ``console`` extra, by module, with the distribution that
-provides each: a worker installs relayr without them (ADR-0102)."""
+provides each: a worker installs relayr without them (ADR-0111)."""
 
 HOST_NAME: Final = re.compile(
     r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*"

@@ -4,7 +4,7 @@ Every call is one short transaction. The first cause under a key is kept by the 
 (``INSERT ... ON CONFLICT DO NOTHING``), so concurrent contenders all get the same answer.
 Emission records are validated again when read. The tables are made and changed by relayr's
 migrations, upgraded to head before a store's first statement (:func:`relayr.migrations.upgrade`,
-ADR-0101). The engine is usually shared and not the ledger's to dispose of; on SQLite it has one
+ADR-0110). The engine is usually shared and not the ledger's to dispose of; on SQLite it has one
 connection, so never call the ledger while holding one of its connections. :class:`SqlStore` is
 what the ledger shares with the followers' store.
 """

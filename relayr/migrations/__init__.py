@@ -5,7 +5,7 @@ safe at every start and from processes that start together (one at a time: a Pos
 advisory lock, SQLite's write lock). relayr's SQL stores call it before their first statement,
 ``relayr db upgrade`` ahead of a release. The revision is kept in ``relayr_alembic_version``,
 beside the libraries' own version tables (:data:`SCHEMAS`), so the three schemas in one
-database move apart (ADR-0101). Alembic is imported when a migration runs.
+database move apart (ADR-0110). Alembic is imported when a migration runs.
 """
 
 from __future__ import annotations

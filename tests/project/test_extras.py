@@ -1,5 +1,5 @@
 """The ``console`` extra: a worker installs relayr without it and loads none of it, and
-``relayr console`` without it stops with exit code 2 naming it (ADR-0102).
+``relayr console`` without it stops with exit code 2 naming it (ADR-0111).
 
 The worker's import set is read from a real worker's own report: ``relayr demo`` runs its
 worker subprocess with ``PYTHONPROFILEIMPORTTIME``, so the worker and every pool process print

@@ -91,7 +91,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    """relayr's migrations only go forward (ADR-0101)."""
+    """relayr's migrations only go forward (ADR-0110)."""
     raise NotImplementedError(
         "relayr's migrations only go forward: restore a backup made before the upgrade"
     )
