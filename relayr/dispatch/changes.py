@@ -7,8 +7,8 @@ heard on a connection of the feed's own. SQLite: the trigger writes into
 :data:`CHANGES_TABLE`, read when ``PRAGMA data_version`` moved (polled every
 :data:`SQLITE_POLL_S`). In memory: reflexr's storage signals as it commits. A notification may
 be lost; the feed then says so (:attr:`Changes.everything`), and :meth:`ChangeFeed.heads` is
-the one read the dispatcher's sweep compares. :func:`install` creates the triggers at start,
-idempotently.
+the one read the dispatcher's sweep compares. :func:`install` brings relayr's migrations (which
+create the triggers) to head at start.
 """
 
 import asyncio
@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import structlog
-from sqlalchemy import text
+from sqlalchemy import BigInteger, Column, Index, MetaData, Table, Text, text
 from sqlalchemy.ext.asyncio import AsyncEngine
+
+from relayr.migrations import upgrade
 
 logger = structlog.get_logger("relayr.dispatch")
 
@@ -43,8 +45,21 @@ CHANNEL: Final = "relayr_changes"
 """The PostgreSQL notification channel; a payload is ``["reflexr"|"artifactr", tenant,
 workspace]`` as JSON."""
 
-CHANGES_TABLE: Final = "relayr_changes"
-"""SQLite: the workspaces whose logs moved, each with the version of its latest move."""
+metadata = MetaData()
+
+changes_table = Table(
+    "relayr_changes",
+    metadata,
+    Column("source", Text, primary_key=True),
+    Column("tenant_id", Text, primary_key=True),
+    Column("workspace_id", Text, primary_key=True),
+    Column("version", BigInteger, nullable=False),
+    Index("ix_relayr_changes_version", "version"),
+)
+"""The workspaces whose logs moved, each with the version of its latest move: written by
+SQLite's triggers (PostgreSQL's notify instead), created by relayr's migrations."""
+
+CHANGES_TABLE: Final = changes_table.name
 
 SQLITE_POLL_S: Final = 0.01
 """How often the SQLite feed asks whether another connection committed: a pragma answered from
@@ -52,9 +67,6 @@ shared memory, about 100 a second, well under 1 % of a core."""
 
 RECONNECT_S: Final = 1.0
 """How long the PostgreSQL feed waits before it listens again after losing its connection."""
-
-INSTALL_LOCK: Final = 0x72656C62
-"""The PostgreSQL advisory lock held while the triggers are created ("relb" in ASCII)."""
 
 
 @dataclass
@@ -311,18 +323,11 @@ def feed_for(engines: tuple[AsyncEngine, ...], rules: Any) -> ChangeFeed:
 
 
 async def install(engine: AsyncEngine) -> set[Source]:
-    """Create the triggers (and, on SQLite, the changes table), idempotently, for each
-    library's workspace table that exists; return the libraries whose logs are watched."""
-    async with engine.begin() as connection:
-        if engine.dialect.name == "postgresql":
-            await connection.execute(
-                text("SELECT pg_advisory_xact_lock(:key)"), {"key": INSTALL_LOCK}
-            )
-        tables = await _tables(connection)
-        ddl = _postgres_ddl if engine.dialect.name == "postgresql" else _sqlite_ddl
-        for statement in ddl(tables):
-            await connection.execute(text(statement))
-    return set(tables)
+    """Bring relayr's tables to head (their migrations create the triggers and the changes
+    table, ADR-0091); return the libraries whose workspace tables the triggers watch."""
+    await upgrade(engine)
+    async with engine.connect() as connection:
+        return set(await _tables(connection))
 
 
 async def _tables(connection: Any) -> dict[Source, str]:
@@ -343,46 +348,3 @@ async def _heads(connection: Any) -> Heads:
         )
         found[source] = {(row[0], row[1]): int(row[2]) for row in rows}
     return Heads(rules=found.get("reflexr", {}), artifacts=found.get("artifactr"))
-
-
-def _postgres_ddl(tables: dict[Source, str]) -> list[str]:
-    function = f"""
-CREATE OR REPLACE FUNCTION relayr_log_moved() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  IF (TG_OP = 'INSERT' AND NEW.head_seq > 0)
-     OR (TG_OP = 'UPDATE' AND NEW.head_seq IS DISTINCT FROM OLD.head_seq) THEN
-    PERFORM pg_notify('{CHANNEL}',
-      json_build_array(TG_ARGV[0], NEW.tenant_id, NEW.workspace_id)::text);
-  END IF;
-  RETURN NULL;
-END $$"""
-    return [
-        function,
-        *(
-            f"CREATE OR REPLACE TRIGGER relayr_log_moved AFTER INSERT OR UPDATE OF head_seq "
-            f"ON {table} FOR EACH ROW EXECUTE FUNCTION relayr_log_moved('{source}')"
-            for source, table in tables.items()
-        ),
-    ]
-
-
-def _sqlite_ddl(tables: dict[Source, str]) -> list[str]:
-    statements = [
-        f"CREATE TABLE IF NOT EXISTS {CHANGES_TABLE} (source TEXT NOT NULL, "
-        "tenant_id TEXT NOT NULL, workspace_id TEXT NOT NULL, version INTEGER NOT NULL, "
-        "PRIMARY KEY (source, tenant_id, workspace_id))",
-        f"CREATE INDEX IF NOT EXISTS ix_{CHANGES_TABLE}_version ON {CHANGES_TABLE} (version)",
-    ]
-    for source, table in tables.items():
-        moved = (
-            f"INSERT OR REPLACE INTO {CHANGES_TABLE} (source, tenant_id, workspace_id, version) "
-            f"VALUES ('{source}', NEW.tenant_id, NEW.workspace_id, "
-            f"(SELECT coalesce(max(version), 0) + 1 FROM {CHANGES_TABLE}))"
-        )
-        statements += [
-            f"CREATE TRIGGER IF NOT EXISTS relayr_{source}_moved AFTER UPDATE OF head_seq "
-            f"ON {table} FOR EACH ROW WHEN NEW.head_seq <> OLD.head_seq BEGIN {moved}; END",
-            f"CREATE TRIGGER IF NOT EXISTS relayr_{source}_created AFTER INSERT ON {table} "
-            f"FOR EACH ROW WHEN NEW.head_seq > 0 BEGIN {moved}; END",
-        ]
-    return statements

@@ -5,7 +5,8 @@ beats, holds about ``ceil(shards / alive)`` shards under leases of ``lease_ttl_s
 with each beat, takes every shard whose lease lapsed (a dead dispatcher's), and decides only
 the workspaces of shards whose lease has more than a third left, so no workspace is decided by
 two at once. :class:`InMemoryShardStore` and :class:`SqlShardStore` (tables
-``relayr_dispatch_shards`` and ``relayr_dispatchers``, created when missing) keep one contract.
+``relayr_dispatch_shards`` and ``relayr_dispatchers``, made by relayr's migrations) keep one
+contract.
 """
 
 import hashlib
@@ -116,7 +117,7 @@ metadata = MetaData()
 shards_table = Table(
     "relayr_dispatch_shards",
     metadata,
-    Column("shard", Integer, primary_key=True),
+    Column("shard", Integer, primary_key=True, autoincrement=False),
     Column("holder", Text, nullable=False),
     Column("held_until", DateTime(timezone=True), nullable=False),
 )
@@ -133,7 +134,7 @@ class SqlShardStore(SqlStore):
     """The contract in SQLite or PostgreSQL: one short transaction per call."""
 
     def __init__(self, engine: AsyncEngine) -> None:
-        super().__init__(engine, metadata, refusal="the dispatchers' shards store")
+        super().__init__(engine, refusal="the dispatchers' shards store")
 
     async def beat(self, holder: str, *, until: datetime, now: datetime) -> int:
         table = dispatchers_table
