@@ -38,6 +38,9 @@ test: check
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.targets
+	$(BIN)/python -m bench.latency
+	$(BIN)/python -m bench.fairness
+	$(BIN)/python -m bench.idle
 	$(BIN)/python -m bench.broker
 	$(BIN)/python -m bench.cli
 
