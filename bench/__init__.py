@@ -35,7 +35,8 @@ notice times from the stores, and :mod:`bench.verdicts` prints every benchmark's
 
 They are measurements, not tests: :mod:`bench.targets`, :mod:`bench.latency`,
 :mod:`bench.fairness` and :mod:`bench.idle` judge their targets (and :mod:`bench.cli` says
-``met`` per command), and their verdicts are printed, never asserted. ``docs/performance.md`` has the figures and what bounds them;
-``tests/test_bench.py``, ``tests/test_bench_cli.py`` and ``tests/test_bench_deciding.py`` only
-check that each one runs, at a tiny size, and prints figures of the right shape.
+``met`` per command), and their verdicts are printed, never asserted. ``docs/performance.md``
+has the figures and what bounds them; ``tests/project/test_bench.py``,
+``tests/project/test_bench_cli.py`` and ``tests/project/test_bench_deciding.py`` only check that
+each one runs, at a tiny size, and prints figures of the right shape.
 """

@@ -8,7 +8,7 @@ however often a benchmark reads changes neither. Events are matched to their not
 event's ``service``, which each benchmark makes unique.
 
 :class:`Stores` opens both libraries' workspaces of the settings' application (the command
-line's own way, :mod:`relayr.runtime.parts`), to make threads, publish and read;
+line's own way, :mod:`relayr.runtime.application_parts`), to make threads, publish and read;
 :class:`NoticeWatch` reads the notices as they come.
 """
 
@@ -29,7 +29,7 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 
 from bench.common import percentile
 from relayr.demo import CLI_USER, DEPLOYS_PER_THREAD, RULE_AUTHOR_PREFIX
-from relayr.runtime.parts import opened_artifacts, opened_rules
+from relayr.runtime.application_parts import opened_artifacts, opened_rules
 from relayr.settings import Settings
 
 TENANT: Final = "bench"

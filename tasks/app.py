@@ -55,8 +55,7 @@ PUBLISH_RETRY_POLICY: Final = {
 }
 """How a publish that meets a broker connection error is retried (Celery's own mechanism): three
 times within about a second, as storage steps are (relayr.runtime.transient), so a broker that
-blinks
-costs nothing and one that is down fails the publish fast; the dispatcher's next pass, or the
+blinks costs nothing and one that is down fails the publish fast; the dispatcher's next pass, or the
 operator, tries again."""
 
 _current: Celery | None = None

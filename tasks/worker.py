@@ -1,13 +1,12 @@
 """A worker process's one event loop, and the Celery signals that start and stop it.
 
 relayr is async (both libraries are), Celery tasks are not. Async engines, artifactr's
-``SqlStorage`` and its ``Runner`` belong to the loop that made them, and an agent turn is a task
-of that loop: a loop per task (``asyncio.run``) would break the storage on the second task and
-cancel every turn when the task returns. So each pool process owns ONE loop, running forever in
-a background thread, created after the fork (``worker_process_init``), holding the process's
+``SqlStorage`` and its ``Runner`` belong to the loop that made them, and an agent turn is a task of
+that loop: a loop per task (``asyncio.run``) would break the storage on the second task and cancel
+every turn when the task returns. So each pool process owns ONE loop, running forever in a
+background thread, created after the fork (``worker_process_init``), holding the process's
 :class:`relayr.runtime.process.Runtime`. A task body, in the process's main thread, hands its
-coroutine
-to that loop (``run_coroutine_threadsafe``) and waits for the result:
+coroutine to that loop (``run_coroutine_threadsafe``) and waits for the result:
 
 - a turn that a run's send started keeps running on the loop after the task returns;
 - Celery's soft time limit, a signal that Python delivers to the main thread, interrupts the
@@ -40,7 +39,8 @@ from celery import signals
 from celery.exceptions import Reject
 
 from relayr.core.errors import InvalidTask
-from relayr.observe import metrics
+from relayr.observe import hooks
+from relayr.observe.hooks import TurnsDrained
 from relayr.observe.logging import configure_logging
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -192,7 +192,7 @@ class PoolProcess:
                 except Exception:
                     logger.exception("closing the worker runtime failed")
                 # the loop is idle now: reading the turns' tasks from this thread is safe
-                metrics.record_turns_drained(sum(not turn.task.cancelled() for turn in turns))
+                hooks.emit(TurnsDrained(sum(not turn.task.cancelled() for turn in turns)))
         loop.stop()
         logger.info("worker process stopped", pid=os.getpid())
 

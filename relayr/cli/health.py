@@ -5,8 +5,7 @@ client, SQLAlchemy) and nothing of the libraries or the application. Exit code 0
 1 when a check failed (:data:`relayr.cli.helpers.EXIT_UNHEALTHY`), 2 for bad input (settings).
 
 The defaults of ``--timeout`` and ``--max-age`` are :mod:`relayr.observe.health`'s, which this
-module
-imports only when the command runs: the checks load a Redis client and SQLAlchemy, which
+module imports only when the command runs: the checks load a Redis client and SQLAlchemy, which
 ``--help`` must not (the test of this module's help checks that the two agree).
 """
 

@@ -2,8 +2,7 @@
 
 One wrapper, :class:`RelayrProcess`, for every process relayr starts as a child: ``relayr run``'s
 worker subprocess (:mod:`relayr.runtime.supervisor` restarts it), the real workers and dispatchers
-of
-the tests, and the benchmarks' workers. Each process:
+of the tests, and the benchmarks' workers. Each process:
 
 - runs in a session of its own, so stopping or killing it reaches its pool processes too;
 - writes its output to a log file when given one (read with :meth:`RelayrProcess.log`), or

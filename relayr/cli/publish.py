@@ -299,7 +299,7 @@ def _publish_one(
 ) -> None:
     from reflexr.core import Forbidden, NotFound
 
-    from relayr.runtime.parts import opened_rules
+    from relayr.runtime.application_parts import opened_rules
 
     async def main() -> dict[str, Any]:
         async with opened_rules(settings) as rules:
@@ -340,7 +340,7 @@ def _publish_lines(
 ) -> None:
     from reflexr.core import Forbidden, NotFound
 
-    from relayr.runtime.parts import opened_rules
+    from relayr.runtime.application_parts import opened_rules
 
     done: list[Any] = []
     transactions = 0

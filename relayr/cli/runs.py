@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from reflexr.workspace import Workspaces
 
     from relayr.ops.rows import RunFilter, RunRow
-    from relayr.ops.runs import Done, EnqueueRun
+    from relayr.ops.runs import EnqueueRun, OperatorResult
     from relayr.runtime.process import Runtime
     from relayr.settings import Settings
 
@@ -118,7 +118,7 @@ def on_rules[T](settings: "Settings", work: Callable[["Workspaces"], Awaitable[T
     """Run ``work`` on the application's reflexr workspaces (its rules part), then close them."""
 
     async def main() -> T:
-        from relayr.runtime.parts import opened_rules
+        from relayr.runtime.application_parts import opened_rules
 
         async with opened_rules(settings) as rules:
             return await work(rules)
@@ -267,7 +267,7 @@ def runs_retry(
     settings = load_settings()
     enqueue = enqueuer(settings)
 
-    async def work(rules: "Workspaces") -> list["Done"]:
+    async def work(rules: "Workspaces") -> list["OperatorResult"]:
         from relayr.ops.rows import list_runs
         from relayr.ops.runs import retry
 
@@ -298,7 +298,7 @@ def runs_cancel(
     where = parse_optional_workspace(workspace)
     settings = load_settings()
 
-    async def work(rules: "Workspaces") -> list["Done"]:
+    async def work(rules: "Workspaces") -> list["OperatorResult"]:
         from relayr.ops.runs import cancel
 
         return await cancel(rules, await _targets(rules, ids, where), reason=reason)
@@ -317,7 +317,7 @@ def runs_skip(run_ids: tuple[str, ...], reason: str, workspace: str | None, as_j
     where = parse_optional_workspace(workspace)
     settings = load_settings()
 
-    async def work(rules: "Workspaces") -> list["Done"]:
+    async def work(rules: "Workspaces") -> list["OperatorResult"]:
         from relayr.ops.runs import skip
 
         return await skip(rules, await _targets(rules, ids, where), reason=reason)
@@ -376,7 +376,7 @@ async def _targets(
     return found
 
 
-def _report(results: list["Done"], as_json: bool, *, problem: str | None = None) -> None:
+def _report(results: list["OperatorResult"], as_json: bool, *, problem: str | None = None) -> None:
     """Print what was done to each run, then ``problem`` on stderr; exit 1 if any was refused
     or there is a problem."""
     import sys

@@ -8,8 +8,7 @@
   queues each due run once per attempt, refreshing its heartbeat after each pass (ADR-0031).
 - ``relayr run``: both on one machine: the dispatcher here, and a worker subprocess
   (:class:`relayr.cli.processes.RelayrProcess`) that :mod:`relayr.runtime.supervisor` starts again
-  when
-  it exits.
+  when it exits.
 
 Celery, the libraries and the application are imported when a command runs, not when this module
 is imported: ``relayr --help`` imports it to print the commands (ADR-0050).
@@ -33,7 +32,7 @@ from relayr.cli.helpers import (
 if TYPE_CHECKING:
     import asyncio
 
-    from relayr.core.run_messages import RunBatch
+    from relayr.core.run_messages import RunMessage
     from relayr.dispatch.dispatcher import Enqueue
     from relayr.runtime.process import Runtime
     from relayr.settings import Settings
@@ -200,7 +199,7 @@ def batch_enqueuer(settings: "Settings") -> "Enqueue":
     app = create_celery(settings)
     queue = settings.queue
 
-    async def enqueue(batch: "RunBatch") -> None:
+    async def enqueue(batch: "RunMessage") -> None:
         await asyncio.to_thread(send_runs, app, queue, batch)
 
     return enqueue

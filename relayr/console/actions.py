@@ -19,7 +19,7 @@ from typing import Final
 
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.rows import RunRow, list_runs
-from relayr.ops.runs import Done, EnqueueRun, cancel, find_runs, retry, skip
+from relayr.ops.runs import EnqueueRun, OperatorResult, cancel, find_runs, retry, skip
 from relayr.runtime.process import Runtime
 
 from .queries import RunQuery
@@ -48,19 +48,19 @@ class Preview:
     """What retrying the dead runs of a filter would do (``runs retry --dead --dry-run``)."""
 
     query: RunQuery
-    results: list[Done]
+    results: list[OperatorResult]
     more: int
     """Dead runs of the filter past :data:`BULK_RETRY_MAX`, left for the next preview."""
 
     @property
-    def retried(self) -> list[Done]:
+    def retried(self) -> list[OperatorResult]:
         """The runs a confirmation would retry."""
         return [result for result in self.results if result.ok]
 
 
 async def retry_one(
     runtime: Runtime, enqueue: EnqueueRun, run_id: str, workspace: WorkspaceKey | None
-) -> list[Done]:
+) -> list[OperatorResult]:
     """``relayr runs retry RUN``: reflexr's operator retry, then an enqueue."""
     rules = runtime.application.rules
     found, missing = await _find(runtime, [(workspace, run_id)])
@@ -69,7 +69,7 @@ async def retry_one(
 
 async def cancel_one(
     runtime: Runtime, run_id: str, workspace: WorkspaceKey | None, *, reason: str
-) -> list[Done]:
+) -> list[OperatorResult]:
     """``relayr runs cancel RUN --reason R``."""
     found, missing = await _find(runtime, [(workspace, run_id)])
     return [*missing, *await cancel(runtime.application.rules, found, reason=reason)]
@@ -77,7 +77,7 @@ async def cancel_one(
 
 async def skip_one(
     runtime: Runtime, run_id: str, workspace: WorkspaceKey | None, *, reason: str
-) -> list[Done]:
+) -> list[OperatorResult]:
     """``relayr runs skip RUN --reason R``."""
     found, missing = await _find(runtime, [(workspace, run_id)])
     return [*missing, *await skip(runtime.application.rules, found, reason=reason)]
@@ -94,12 +94,14 @@ async def preview_retry(runtime: Runtime, enqueue: EnqueueRun, query: RunQuery) 
 
 async def confirm_retry(
     runtime: Runtime, enqueue: EnqueueRun, refs: Sequence[RunRef]
-) -> list[Done]:
+) -> list[OperatorResult]:
     """Retry the runs a preview listed that are still dead, as ``relayr runs retry RUN...``."""
     found, missing = await _find(runtime, [(ref.workspace, ref.run_id) for ref in refs])
     dead = [row for row in found if row.status == "dead"]
     moved = [
-        Done(row.id, str(row.workspace), False, f"no longer dead ({row.status}): not retried")
+        OperatorResult(
+            row.id, str(row.workspace), False, f"no longer dead ({row.status}): not retried"
+        )
         for row in found
         if row.status != "dead"
     ]
@@ -108,7 +110,7 @@ async def confirm_retry(
 
 async def _find(
     runtime: Runtime, named: Sequence[tuple[WorkspaceKey | None, str]]
-) -> tuple[list[RunRow], list[Done]]:
+) -> tuple[list[RunRow], list[OperatorResult]]:
     """The runs named, and a refusal for each that does not exist
     (:func:`relayr.ops.runs.find_runs`).
 

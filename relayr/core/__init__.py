@@ -9,7 +9,6 @@ run-failure reasons (:mod:`~relayr.core.reasons`).
 The core imports no I/O (no storage, no broker, no Celery, neither library), no clock, no
 environment and nothing else of relayr: values in, decisions out. The engine around it
 (``relayr.execution.actions``, ``relayr.execution.executor``, ...) loads, asks the core and writes.
-The contract is
-checked by import-linter (pyproject.toml, ``make check``), so the core is tested with tables and
-a fixed ``NOW``, without artifactr.
+The contract is checked by import-linter (pyproject.toml, ``make check``), so the core is tested
+with tables and a fixed ``NOW``, without artifactr.
 """

@@ -1,16 +1,14 @@
 """The dispatcher: decide which runs exist, and hand each due run to a queue, once per attempt.
 
-Each pass first follows every workspace's artifactr log into reflexr (:mod:`relayr.follow`:
-the bridged ``artifactr:*`` events, under one lease per workspace, ADR-0065), then ticks
-reflexr's schedules (when the application has any, with reflexr's ``Reactor``) and evaluates
-the rules of every workspace, each in one transaction up to the log's head as the pass found
-it (:mod:`relayr.dispatch.evaluation`; any number of dispatchers can run), then reads the runs that
-are
-due from the store: pending and retrying runs whose time has come and that are first in their
-scope, and ``running`` runs whose lease lapsed because their worker died. Due runs of one
-workspace go to the queue together, up to :data:`relayr.core.run_messages.MAX_BATCH_RUNS` per
-message
-(:class:`RunBatch`); a run whose last attempt was abandoned, so may be what killed its worker,
+Each pass first follows every workspace's artifactr log into reflexr (:mod:`relayr.follow`: the
+bridged ``artifactr:*`` events, under one lease per workspace, ADR-0065), then ticks reflexr's
+schedules (when the application has any, with reflexr's ``Reactor``) and evaluates the rules of
+every workspace, each in one transaction up to the log's head as the pass found it
+(:mod:`relayr.dispatch.evaluation`; any number of dispatchers can run), then reads the runs that are
+due from the store: pending and retrying runs whose time has come and that are first in their scope,
+and ``running`` runs whose lease lapsed because their worker died. Due runs of one workspace go to
+the queue together, up to :data:`relayr.core.run_messages.MAX_BATCH_RUNS` per message
+(:class:`RunMessage`); a run whose last attempt was abandoned, so may be what killed its worker,
 goes alone.
 
 The store, not the queue, is the truth about a run (ADR-0001), so the dispatcher keeps only a
@@ -48,7 +46,7 @@ from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
 from relayr import broker
 from relayr.core import reasons
-from relayr.core.run_messages import MAX_BATCH_RUNS, RunBatch
+from relayr.core.run_messages import MAX_BATCH_RUNS, RunMessage
 from relayr.dispatch.evaluation import evaluate_all
 from relayr.observe import telemetry
 from relayr.runtime.process import Runtime
@@ -57,7 +55,7 @@ from relayr.settings import Settings
 if TYPE_CHECKING:
     from relayr.follow.follower import Followers
 
-type Enqueue = Callable[[RunBatch], Awaitable[None]]
+type Enqueue = Callable[[RunMessage], Awaitable[None]]
 """Hands one message to the queue: ``await enqueue(batch)``."""
 
 type QueueDepth = Callable[[], Awaitable[int | None]]
@@ -340,7 +338,7 @@ class Dispatcher:
 
 def _batches(
     runs: Sequence[tuple[_RunKey, Run]],
-) -> Iterator[tuple[RunBatch, list[tuple[_RunKey, Run]]]]:
+) -> Iterator[tuple[RunMessage, list[tuple[_RunKey, Run]]]]:
     """Group runs into messages of one workspace each, in order, sized so the pass's runs make
     at least :data:`MESSAGES_PER_BURST` messages of at most MAX_BATCH_RUNS runs; a run whose
     last attempt was abandoned goes alone."""
@@ -356,7 +354,7 @@ def _batches(
         groups.extend(members[index : index + size] for index in range(0, len(members), size))
     for group in groups:
         tenant_id, workspace_id, _ = group[0][0]
-        batch = RunBatch(
+        batch = RunMessage(
             tenant_id=tenant_id,
             workspace_id=workspace_id,
             run_ids=tuple(run.id for _, run in group),

@@ -17,10 +17,9 @@ each run
   has its action cancelled (``interrupted``);
 - as actions end, their outcomes are recorded together, in one transaction per group
   (:func:`relayr.execution.attempts.complete`), each only if its attempt is still current
-  (``dropped``
-  otherwise), so a late executor never overwrites a cancel, a retry or a newer attempt. The
-  ledger rows the actions left for later (emission records of sends, and of notices an earlier
-  attempt posted) ride in that same transaction (:mod:`relayr.ledger.riding`), those of an
+  (``dropped`` otherwise), so a late executor never overwrites a cancel, a retry or a newer attempt.
+  The ledger rows the actions left for later (emission records of sends, and of notices an earlier
+  attempt posted) ride in that same transaction (:mod:`relayr.ledger.with_the_write`), those of an
   ``interrupted`` attempt too: its writes committed in artifactr all the same;
 - a run of a rule ordered by scope that ends lets the next run of its scope start in that same
   transaction, under a lease taken just before, so a scope goes on without a trip through the
@@ -28,15 +27,13 @@ each run
   :data:`relayr.execution.runs.SCOPE_BUDGET_S` seconds per message (then the dispatcher hands the
   scope's next run to the queue, behind what waits there).
 
-A duplicated, lost or redelivered message therefore repeats and loses nothing: a second
-delivery finds the leases held or the runs finished. The writes a retried attempt repeats are
-made once by their derived ids (:mod:`relayr.execution.actions`). The lease of a run that succeeded
-is
-left to lapse: it can never start again (ADR-0002). Transient storage faults are retried a few
-times inside each step (:mod:`relayr.runtime.transient`); each step is safe to repeat, and a claim
-or a
+A duplicated, lost or redelivered message therefore repeats and loses nothing: a second delivery
+finds the leases held or the runs finished. The writes a retried attempt repeats are made once by
+their derived ids (:mod:`relayr.execution.actions`). The lease of a run that succeeded is left to
+lapse: it can never start again (ADR-0002). Transient storage faults are retried a few times inside
+each step (:mod:`relayr.runtime.transient`); each step is safe to repeat, and a claim or a
 completion whose commit took effect behind a fault finds its own work on the next try
-(:class:`relayr.execution.tries.Tries`).
+(:class:`relayr.execution.hidden_commits.HiddenCommits`).
 """
 
 from collections.abc import Sequence
@@ -45,11 +42,12 @@ import structlog
 from reflexr.workspace import WorkspaceRef
 
 from relayr.execution import attempts, outcomes
-from relayr.execution.attempts import NothingThere
+from relayr.execution.attempts import NoRunFound
+from relayr.execution.hidden_commits import HiddenCommits
 from relayr.execution.outcomes import Executed, RunOutcome
 from relayr.execution.runs import Batch
-from relayr.execution.tries import Tries
-from relayr.observe import metrics, telemetry
+from relayr.observe import hooks, telemetry
+from relayr.observe.hooks import RunEnded
 from relayr.runtime.process import Runtime
 from relayr.runtime.transient import is_transient, retried
 
@@ -101,16 +99,16 @@ async def fail_run(
     """
     rules = runtime.application.rules
     ref = WorkspaceRef(tenant_id, workspace_id)
-    tries: Tries[Executed] = Tries()
+    tries: HiddenCommits[Executed] = HiddenCommits()
     try:
         executed = await retried(
             lambda: attempts.fail_for_good(
                 rules, ref, run_id, reason=reason, error=error, tries=tries
             )
         )
-    except NothingThere:
+    except NoRunFound:
         executed = outcomes.missing(ref, run_id)
-    metrics.record_run(None if executed.run is None else executed.run.rule, executed.outcome)
+    hooks.emit(RunEnded(None if executed.run is None else executed.run.rule, executed.outcome))
     logger.warning(
         "run failed by its executor",
         run_id=run_id,

@@ -48,7 +48,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from relayr.core.emissions import EmissionRecord, validate_emission
 from relayr.core.errors import InvalidEmission
 from relayr.ledger.port import Cause, CauseRecord, LedgerWrites, WorkspaceKey, WriteKind
-from relayr.ledger.riding import Statements, riding
+from relayr.ledger.with_the_write import Statements, with_the_write
 
 SUPPORTED_DIALECTS = frozenset({"postgresql", "sqlite"})
 
@@ -282,7 +282,7 @@ class SqlLedger(SqlStore):
     async def alongside(self, writes: LedgerWrites) -> AsyncIterator[None]:
         statements = self._statements(writes)  # validates every record before the block runs
         await self._ensure_tables()
-        with riding(self._engine.sync_engine, statements, writes):
+        with with_the_write(self._engine.sync_engine, statements, writes):
             yield
         if writes and not writes.committed:
             await self.write(writes)

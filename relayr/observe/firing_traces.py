@@ -2,12 +2,11 @@
 enqueues it, in one dispatcher process (ADR-0080).
 
 An evaluation's span covers every run it fires, but a run fired by an event of another trace
-continues its event's: :class:`Evaluation` notes which trace each run continues, and
-:data:`firings` keeps it, bounded, until :func:`relayr.observe.telemetry.enqueuing` takes it for the
-message's span. Nothing here starts or reads a span: the contexts kept are OpenTelemetry's,
-named here for the type checker only, since :mod:`relayr.observe.telemetry` is the module that
-imports
-OpenTelemetry (an import-linter contract).
+continues its event's: :class:`Evaluation` notes which trace each run continues, and :data:`firings`
+keeps it, bounded, until :func:`relayr.observe.telemetry.enqueuing` takes it for the message's span.
+Nothing here starts or reads a span: the contexts kept are OpenTelemetry's, named here for the type
+checker only, since :mod:`relayr.observe.telemetry` is the module that imports OpenTelemetry (an
+import-linter contract).
 """
 
 from __future__ import annotations

@@ -26,8 +26,7 @@ off, nothing of the SDK, the exporter or the instrumentation is loaded or config
 - **The agent turn** (:func:`turn_context`): artifactr makes each turn a trace of its own, linked
   to what started it. relayr adds, in the trace of the run that sent the turn's message (found
   through the ledger's cause, :func:`relayr.ledger.turns.turn_cause`), a ``relayr.turn`` span that
-  ends
-  when the turn ends, linked to the turn's own trace.
+  ends when the turn ends, linked to the turn's own trace.
 """
 
 import asyncio
@@ -261,12 +260,11 @@ def turn_context(ledger: Ledger) -> TurnContext:
     """artifactr's ``turn_context``: a ``relayr.turn`` span in the trace of the run that sent
     the turn's message, from the turn's start to its end.
 
-    The run is the ledger's cause of the newest message the turn carries out that a run
-    posted (:func:`relayr.ledger.turns.turn_cause`, ADR-0026); a turn no run caused gets no span.
-    Its
-    parent is what artifactr linked the turn to: the span that sent the message (a send's), or
-    where the message was committed (a turn started by recovery or a hand-over), both in the
-    run's trace. The span links to the turn's own trace, whose spans stay artifactr's.
+    The run is the ledger's cause of the newest message the turn carries out that a run posted
+    (:func:`relayr.ledger.turns.turn_cause`, ADR-0026); a turn no run caused gets no span. Its
+    parent is what artifactr linked the turn to: the span that sent the message (a send's), or where
+    the message was committed (a turn started by recovery or a hand-over), both in the run's trace.
+    The span links to the turn's own trace, whose spans stay artifactr's.
     """
 
     @asynccontextmanager

@@ -371,8 +371,7 @@ def bridge_span(
     tenant_id: str, workspace_id: str, envelope: _Bridged, event_type: str
 ) -> Span | None:
     """Start the span of one artifactr envelope a follower bridges, ``relayr.runtime.bridge``: a
-    child
-    of the envelope's trace (artifactr stamps the commit's), so the rules it fires continue
+    child of the envelope's trace (artifactr stamps the commit's), so the rules it fires continue
     it. None while tracing is off."""
     if _state.tracer is None:
         return None

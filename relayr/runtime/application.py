@@ -12,7 +12,7 @@ a worker, the dispatcher and the CLI all open the same thing the same way.
 
 Importing this module imports neither library (nor SQLAlchemy): an application module imports
 it for :class:`Application`, and commands that use one library only must not pay for the other
-(ADR-0050, :mod:`relayr.runtime.parts`). The libraries are imported where they are used.
+(ADR-0050, :mod:`relayr.runtime.application_parts`). The libraries are imported where they are used.
 """
 
 from __future__ import annotations

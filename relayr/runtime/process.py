@@ -34,6 +34,7 @@ from artifactr.agent import RunHandle, Runner, TurnContext
 
 from relayr.core.allowlist import Allowlists
 from relayr.ledger import InMemoryLedger, Ledger, SqlLedger
+from relayr.observe import observers
 from relayr.runtime.allowlist_file import AllowlistFile
 from relayr.runtime.application import Application, load_application
 from relayr.runtime.bridge import Bridge
@@ -64,13 +65,11 @@ class Runtime:
     :meth:`aclose` before that loop ends.
 
     Attributes:
-        settings: The process's settings.
-        application: The user's application, built in this loop.
-        bridge: What runs act through; every run's ``Reaction.deps``.
-        holder: This process's name in reflexr's leases.
-        role: What the process is: a worker executes runs and recovers turns.
-        recovered: The turns recovery started.
-        executing: The runs this process is executing now, as (tenant, workspace, run) ids.
+        settings: The process's settings. application: The user's application, built in this loop.
+        bridge: What runs act through; every run's ``Reaction.deps``. holder: This process's name in
+        reflexr's leases. role: What the process is: a worker executes runs and recovers turns.
+        recovered: The turns recovery started. executing: The runs this process is executing now, as
+        (tenant, workspace, run) ids.
             Its executors share one lease holder, so a second delivery of a run to the same
             process must be told apart here, not by the lease.
     """
@@ -108,6 +107,7 @@ class Runtime:
             InvalidAllowlist: If a worker's allowlist file is missing or invalid.
             InvalidApplication: If the application cannot be built.
         """
+        observers.install()
         allowlist_file = None
         if allowlists is None and role == "worker":
             allowlist_file = AllowlistFile.open(settings.allowlist)
