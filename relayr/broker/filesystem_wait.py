@@ -102,6 +102,8 @@ class NotifiedWait:
         self._poller = select.poll()
         self._poller.register(self._inotify.fileno(), select.POLLIN)
         self._poller.register(self._wake_read, select.POLLIN)
+        self._closing = threading.Lock()
+        self._closed = False
         self._wanted: frozenset[Path] = frozenset()
         self._watches: dict[Path, int] = {}
         self._unwatched: set[Path] = set()
@@ -145,10 +147,17 @@ class NotifiedWait:
         return True
 
     def wake(self) -> None:
-        with suppress(BlockingIOError, OSError):  # a full pipe is a wake already pending
-            os.write(self._wake_write, b"\0")
+        with self._closing:  # never a write to a descriptor closed, and maybe reused, meanwhile
+            if self._closed:
+                return
+            with suppress(OSError):  # BlockingIOError: a full pipe is a wake already pending
+                os.write(self._wake_write, b"\0")
 
     def close(self) -> None:
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
         self._inotify.close()
         for descriptor in (self._wake_read, self._wake_write):
             with suppress(OSError):
