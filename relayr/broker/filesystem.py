@@ -135,12 +135,12 @@ class Transport(KombuTransport):  # type: ignore[misc]  # kombu, used untyped
                 if self._recover():
                     self._look_due = True
             if self._look_due or now >= self._next_look:
-                self._look_due = False
                 self._next_look = now + self.polling_interval
                 try:
                     self.cycle.get(self._deliver, timeout=timeout)
                 except Empty:
-                    pass
+                    # a wake that came during the look is in the wait: it ends the next one
+                    self._look_due = False
                 else:
                     self._look_due = True  # more may wait: the next call looks at once
                     return
