@@ -1,21 +1,11 @@
 """The run tasks: ids in, one call into :mod:`relayr.execution.executor`, outcomes out, in the log.
 
-A task is like a web view (Celery's own advice): it checks its arguments, makes one call into the
-library, and maps typed outcomes to what the worker does and says. It carries ids and nothing else
-(:class:`relayr.core.run_messages.RunMessage`); each run is re-read from reflexr's store, which
-decides whether anything happens (ADR-0001). So a duplicated or redelivered message is harmless: a
-run that is not due, or that another worker holds, does nothing and the log says so.
-
-- ``relayr.execute_runs(tenant_id, workspace_id, run_ids)`` names up to
-  :data:`relayr.core.run_messages.MAX_BATCH_RUNS` runs of one workspace, executed together
-  (:func:`relayr.execution.executor.execute_runs`); ``relayr.execute_run(tenant_id, workspace_id,
-  run_id)``, the one-run message of earlier releases, is still served.
-- Malformed arguments: one log line, no write, no retry: the message is rejected, never
-  requeued (:class:`InvalidTask`).
-- A message delivered again because its worker died (``task_retry_on_worker_lost``): a message
-  of several runs is split into one message per run, so a run that kills its worker takes no
-  other run with it again; a one-run message past ``max_redeliveries`` fails its run with
-  reason ``worker_lost`` instead of running it again (ADR-0011).
+``relayr.execute_runs(tenant_id, workspace_id, run_ids)`` names up to
+:data:`relayr.core.run_messages.MAX_BATCH_RUNS` runs of one workspace (``relayr.execute_run``, one
+run, is still served). A task carries ids only and re-reads each run, so a duplicate is harmless
+(ADR-0001). Malformed arguments are rejected, never requeued (:class:`InvalidTask`). A message
+redelivered because its worker died is split into one-run messages, and a one-run message past
+``max_redeliveries`` fails its run ``worker_lost`` (ADR-0011).
 """
 
 import logging

@@ -1,21 +1,11 @@
-"""How the embedded broker's consumer waits for a message: woken by the kernel the moment one
-lands in a queue it consumes, or by its own poll where the kernel cannot tell it.
+"""How the embedded broker's consumer waits between looks at its queues (ADR-0095).
 
-Two kinds of wait, one interface (:class:`Wait`):
-
-- :class:`NotifiedWait`, on Linux: an inotify watch on each consumed queue's folder. A publish
-  is a rename into that folder (:mod:`relayr.broker.filesystem_channel`), and so is a message
-  coming back from a dead consumer or a requeue, so each one wakes the consumer at once. A
-  file written in place (not relayr's way, but a person's or another tool's) wakes it when its
-  writer closes it.
-- :class:`PolledWait`, anywhere else (no inotify, or the user's inotify instances used up):
-  nothing but the transport's poll and its own wakes.
-
-Both are woken by :meth:`Wait.wake`, from any thread (a settled message may lift the consumer's
-prefetch limit). Neither is trusted alone: the transport still looks at its queues once per
-polling interval whatever the wait says, so a notification that never comes (a watch that
-could not be added, the kernel's event queue overflowed) costs at most one interval. See
-ADR-0095.
+:class:`NotifiedWait` (Linux): woken by inotify the moment a file is renamed (a publish, a
+requeue, a dead consumer's message given back) or written into a consumed queue's folder.
+:class:`PolledWait` (no inotify): woken only by :meth:`Wait.wake`. Both are woken by
+:meth:`Wait.wake` from any thread (a settled message may lift the prefetch limit). Neither is
+trusted alone: the transport still looks once per polling interval, so a notification that
+never comes costs at most that.
 """
 
 import os

@@ -1,21 +1,9 @@
 """``relayr runs list|show|retry|cancel|skip``: find failed runs across workspaces, act on them.
 
-Ops own failed runs: ``list`` finds them across every workspace (:mod:`relayr.ops.rows`),
-``show`` tells one whole (attempts, emissions, the turns its messages started:
-:mod:`relayr.ops.report`), and ``retry``, ``cancel`` and ``skip`` change them through reflexr's
-own operator operations (:mod:`relayr.ops.runs`). A retry also enqueues the run, so it runs without
-waiting for the dispatcher. Every command that prints data has ``--json``.
-
-Exit codes: 0 when every run was changed (and, for a retry, enqueued); 1 when some were refused,
-or when the enqueue failed (the broker stayed unavailable through its bounded retries, or
-refused the message: those runs are retried in reflexr and stay due, and the dispatcher
-enqueues them; ADR-0034); 2 for bad input: arguments, settings, application, a malformed run id,
-or a run id that names no run. Every id is checked, and every run found, before the first is
-changed: a typo among the ids changes nothing.
-
-``list``, ``retry``, ``cancel`` and ``skip`` build the application's rules part only (reflexr,
-ADR-0050); ``show`` reads turns in artifactr and records in the ledger, so it starts a whole
-runtime.
+Changes go through reflexr's operator operations (:mod:`relayr.ops.runs`); a retry also enqueues
+the run. Every id is checked and every run found before the first change, so a typo changes
+nothing. Exit 0 when every run was changed (and enqueued), 1 when some were refused or the
+enqueue failed (those runs stay due for the dispatcher, ADR-0034), 2 for bad input.
 """
 
 from collections.abc import Awaitable, Callable, Sequence

@@ -1,16 +1,9 @@
 """What the console's buttons do: the command line's own operations on runs, nothing else.
 
-Each action is the call ``relayr runs`` makes (:mod:`relayr.ops.runs`), with the same enqueue
-(:func:`relayr.cli.runs.enqueuer`, handed in by ``relayr console``), so a run retried from the
-browser is retried exactly as ``relayr runs retry`` retries it: reflexr's operator retry, then
-an enqueue that rides out a broker restart and, when the broker stays down, leaves the run
-retried for the dispatcher (ADR-0034).
-
-Retrying the dead runs of a filter takes two steps. The preview is ``relayr runs retry --dead
---dry-run``: the dead runs the filter selects now, each as the dry run judges it. The
-confirmation names those runs, and only those: a run that died after the preview is not
-retried by it, and a run of the preview that is no longer dead (someone retried it meanwhile)
-is reported and left alone.
+Each action is the call ``relayr runs`` makes (:mod:`relayr.ops.runs`) with the same enqueue, so
+a retry from the browser is ``relayr runs retry`` (ADR-0034). Retrying a filter's dead runs is a
+preview (``--dead --dry-run``) then a confirmation that retries only the runs the preview named
+and still dead.
 """
 
 from collections.abc import Sequence

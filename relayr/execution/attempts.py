@@ -1,32 +1,11 @@
 """The transactions that start and end attempts of runs, many runs per transaction.
 
-reflexr's store is the truth about a run (its status, attempts, epoch and lease), so each step
-re-reads what it changes, in one transaction on the run's workspace, which reflexr serialises
-with every other transaction on that workspace:
-
-- :func:`claim` starts an attempt of each run that is due (and first in its scope, for a rule
-  ordered by scope), for all the runs a task names at once. The caller holds each run's lease.
-  A ``running`` run whose lease the caller could take was left by an executor that stopped:
-  its attempt is recorded as failed, reason ``abandoned`` (``worker_lost`` after too many in a
-  row); anything else that is not due is left alone (``not_due``, ``missing``).
-- :func:`complete` records the outcomes of the attempts that ended, each only if it is still
-  the run's current attempt (``dropped`` otherwise), and in the same transaction starts the
-  next run of each scope that a finished run held back
-  (:class:`relayr.execution.outcomes.ScopeOrder`),
-  so a scope ordered by scope goes on without a trip through the broker.
-
-Each step is tried again after a transient fault (:mod:`relayr.runtime.transient`), and a fault
-during COMMIT may hide a commit that took effect (a connection lost as PostgreSQL committed). The
-next try would meet that work as if another executor had done it: an attempt it started would look
-abandoned, a run it finished no longer current. So the tries of one step share a
-:class:`relayr.execution.hidden_commits.HiddenCommits`, which finds the last try's commit and
-returns that try's result.
-
-A scope's order is read once, when its first run is claimed: reading every unfinished run of a
-scope for each claim would cost time that grows with the scope's backlog. Later claims in the
-scope re-read only the runs before the claimed one that had not succeeded, which is exact: a
-run fired later always comes later in the scope's order (its ``fired_seq`` is the seq of a
-newer envelope), and a run that succeeded never runs again (ADR-0024).
+:func:`claim` starts an attempt of each leased run that is due and first in its scope (a lapsed
+``running`` run is recorded ``abandoned``); :func:`complete` records the outcomes of attempts
+still current (``dropped`` otherwise) and starts the next run of each scope a finished run held
+back. Each re-reads what it changes in one transaction on the workspace, and its tries after a
+transient fault share a :class:`relayr.execution.hidden_commits.HiddenCommits`, so a commit a
+fault hid is found, not taken for another executor's (ADR-0001, ADR-0024).
 """
 
 from collections.abc import Iterable, Sequence

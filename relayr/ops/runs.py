@@ -1,21 +1,11 @@
 """What ops do to runs: retry, cancel or skip them safely.
 
-reflexr's store is the truth about a run (ADR-0001), so every command here changes it through
-reflexr's own operator operations. A retry is reflexr's operator retry (the run is due now, its
-attempts start again from zero) followed by an enqueue, so ops need not wait for the
-dispatcher's next pass. The enqueue is only that shortcut: when it fails after reflexr's retry
-(the broker is down, :class:`relayr.core.errors.BrokerUnavailable` after its bounded retries, or
-refused the message) the run stays retried, due now, for the dispatcher to enqueue, and the
-remaining runs are retried without trying the broker again (ADR-0034). Retrying is always safe,
-because the run's writes have derived ids: a notice an earlier attempt posted is not posted
-again, and a send whose message was committed but whose turn was never asked gets its turn
-(ADR-0026).
-
-The runs are listed and found in :mod:`relayr.ops.rows`, and shown whole in
-:mod:`relayr.ops.report`. The command line and the console find the runs they are named
-(:func:`find_runs`) and the followers they report on here (and the followers they report on with
-:func:`relayr.follow.follower.followers_of`), so both refuse
-and read alike.
+Every change goes through reflexr's own operator operations (ADR-0001). A retry is reflexr's
+retry (due now, attempts from zero) then an enqueue, so ops need not wait for the dispatcher; if
+the enqueue fails (:class:`relayr.core.errors.BrokerUnavailable`), the run stays retried for the
+dispatcher and the remaining runs skip the broker (ADR-0034). Retrying is always safe: the run's
+writes have derived ids (ADR-0026). :func:`find_runs` is how the command line and the console
+find the runs they are named, so both refuse alike.
 """
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence

@@ -1,8 +1,7 @@
 """The bridge: what a run's actions act through, one per worker process and event loop.
 
-Its storage, ledger and artifactr ``Runner`` belong to the event loop that made them (an async
-engine cannot be reused by another loop), so a worker process builds one bridge on its own
-long-lived loop after it forks, and hands it to every run as the reaction's ``deps``.
+Its storage, ledger and artifactr ``Runner`` belong to the loop that made them, so a worker
+builds one on its own long-lived loop after it forks and hands it to every run as ``deps``.
 """
 
 import asyncio
