@@ -128,10 +128,10 @@ class Stores:
             envelopes = await handle.read(
                 after_seq=after, types={DEPLOY_FINISHED}, limit=READ_BATCH
             )
-            if not envelopes:
-                return stamped
             for envelope in envelopes:
                 stamped[str(envelope.data["service"])] = envelope.ts
+            if len(envelopes) < READ_BATCH:
+                return stamped
             after = envelopes[-1].seq
 
     async def watch(self, workspaces: Iterable[str]) -> "NoticeWatch":
@@ -150,13 +150,17 @@ class NoticeWatch:
         self.duplicates = 0
 
     async def read(self) -> None:
+        """What each log holds past the last read: one read of a workspace unless it holds more
+        than :data:`READ_BATCH` new envelopes (each read takes SQLite's write lock)."""
         for workspace, handle in self._handles.items():
-            while envelopes := await handle.read(
-                after_seq=self._after[workspace], limit=READ_BATCH
-            ):
-                self._after[workspace] = max(self._after[workspace], envelopes[-1].seq)
+            while True:
+                envelopes = await handle.read(after_seq=self._after[workspace], limit=READ_BATCH)
+                if envelopes:
+                    self._after[workspace] = max(self._after[workspace], envelopes[-1].seq)
                 for envelope in envelopes:
                     self._keep(envelope)
+                if len(envelopes) < READ_BATCH:
+                    break
 
     def _keep(self, envelope: Any) -> None:
         posted = envelope.event
