@@ -168,6 +168,10 @@ class Settings(BaseSettings):
             object such as ``{"acme": 2}``); a tenant not named weighs 1.
         dispatch_shards: Into how many shards workspaces are split between dispatchers, each
             held under a lease; every dispatcher of a deployment must use the same number.
+        broker_poll_interval_s: How long an idle worker of the embedded broker goes at most
+            without looking at its queue (``RELAYR_BROKER_POLL_INTERVAL_S``). It is woken the
+            moment a message lands (inotify), so this bounds only what a missed notification
+            costs, or, where inotify is unavailable, how long a new message waits.
         requeue_after_s: How long a run the dispatcher enqueued may stay due before it is
             enqueued again, as a message the broker lost. Make it longer than a message
             usually waits in the queue: a duplicate is harmless but costs a claim.
@@ -203,6 +207,7 @@ class Settings(BaseSettings):
         default_factory=dict
     )
     dispatch_shards: Annotated[int, Field(ge=1, le=4096)] = 64
+    broker_poll_interval_s: _Seconds = 0.05
     requeue_after_s: _Seconds = 60.0
     otel: bool | None = None
     otel_endpoint: Annotated[str, AfterValidator(_endpoint)] = ""
@@ -316,12 +321,16 @@ class Settings(BaseSettings):
         """Celery's ``broker_transport_options`` for this broker.
 
         For Redis, the visibility timeout. For the embedded broker, its folder (the transport
-        makes its layout there when it first connects; :mod:`relayr.broker.layout`).
+        makes its layout there when it first connects; :mod:`relayr.broker.layout`) and its
+        polling interval.
         """
         if self.broker_url.startswith(("redis://", "rediss://")):
             return {"visibility_timeout": self.visibility_timeout_s}
         if self.broker_url.startswith("filesystem://"):
-            return {"folder": str(self.broker_folder)}
+            return {
+                "folder": str(self.broker_folder),
+                "polling_interval": self.broker_poll_interval_s,
+            }
         return {}
 
 
