@@ -19,8 +19,9 @@ harmless: a run that is not due, or that another worker holds, does nothing and 
   reason ``worker_lost`` instead of running it again (ADR-0011).
 """
 
+import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -33,8 +34,8 @@ from pydantic_core import ErrorDetails
 from relayr.core import reasons
 from relayr.core.errors import InvalidTask
 from relayr.core.run_messages import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunBatch
-from relayr.execution.executor import Executed
 from relayr.execution import executor
+from relayr.execution.executor import Executed
 from relayr.observe import metrics
 from tasks.worker import process
 
@@ -64,6 +65,7 @@ RUN_OUTCOME_LINES: Final[Mapping[str, tuple[int, str]]] = {
     "dropped": (logging.WARNING, "attempt no longer current: its outcome was dropped"),
     "interrupted": (logging.WARNING, "attempt interrupted"),
     "abandoned": (logging.WARNING, "an abandoned attempt was recorded as failed"),
+    "limited": (logging.INFO, "run waits: a limit holds it back"),
 }
 """What each of :class:`relayr.execution.executor.Executed`'s outcomes means, at what level."""
 
@@ -218,9 +220,12 @@ def _execute(self: Any, batch: RunBatch) -> list[str]:
             if request.retries > settings.max_redeliveries:
                 results = [_fail_lost(batch, request.retries + 1, settings.max_redeliveries)]
             else:
+                runtime = process.runtime()
+                if runtime.requeue is None:
+                    runtime.requeue = _requeuer(self.app, settings.queue)
                 results = process.call(
                     executor.execute_runs(
-                        process.runtime(), batch.tenant_id, batch.workspace_id, batch.run_ids
+                        runtime, batch.tenant_id, batch.workspace_id, batch.run_ids
                     )
                 )
         except SoftTimeLimitExceeded:
@@ -236,6 +241,15 @@ def _execute(self: Any, batch: RunBatch) -> list[str]:
         for executed in results:
             log_outcome(executed)
         return [executed.outcome for executed in results]
+
+
+def _requeuer(app: Any, queue: str) -> Callable[[RunBatch], Awaitable[None]]:
+    """Queues runs from the worker's loop: the runs a limit frees go at once."""
+
+    async def requeue(batch: RunBatch) -> None:
+        await asyncio.to_thread(send_runs, app, queue, batch)
+
+    return requeue
 
 
 def _fail_lost(batch: RunBatch, delivery: int, max_redeliveries: int) -> Executed:

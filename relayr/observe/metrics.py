@@ -4,10 +4,13 @@ What each metric measures:
 
 ``relayr_runs_executed_total{rule, outcome}``
     Every call of the executor for one run, by its rule and outcome (``succeeded``,
-    ``retrying``, ``dead``, ``cancelled``, ``missing``, ``not_due``, ``contended``, ``dropped``,
-    ``interrupted``, ``abandoned``). ``dead`` is a run that exhausted its retry policy or failed
-    permanently; ``not_due`` and ``contended`` are duplicate deliveries refused at no cost.
-    ``rule`` is ``unknown`` when the run could not be read.
+    ``retrying``, ``dead``, ``cancelled``, ``missing``, ``not_due``, ``contended``,
+    ``dropped``, ``interrupted``, ``abandoned``, ``limited``). ``dead`` is a run that exhausted
+    its retry policy or failed permanently; ``not_due`` and ``contended`` are duplicate
+    deliveries refused at no cost. ``rule`` is ``unknown`` when the run could not be read.
+``relayr_runs_limited_total{rule, limit}``
+    Runs an operator's limit held back from starting (not attempted; they wait), by rule and
+    limit (``triage/turns_per``: the limit's name and kind).
 ``relayr_attempt_duration_seconds{rule}``
     How long an attempt that ran the rule's action took, claim to outcome.
 ``relayr_dispatch_lag_seconds``
@@ -128,6 +131,12 @@ class _Instruments:
             "Agent turns that runs started.",
             registry=registry,
         )
+        self.runs_limited = Counter(
+            "relayr_runs_limited",
+            "Runs an operator's limit held back from starting, by rule and limit.",
+            ["rule", "limit"],
+            registry=registry,
+        )
         self.turns_drained = Counter(
             "relayr_turns_drained",
             "Turns that ended within a stopping worker's grace period.",
@@ -174,6 +183,11 @@ def record_run(rule: str | None, outcome: str, duration_s: float | None = None) 
             metrics.attempt_duration.labels(rule=label).observe(max(duration_s, 0.0))
 
     _safely(record)
+
+
+def record_limited(rule: str, limit: str) -> None:
+    """Count one run that a limit (``limits.NAME``'s kind, ``triage/turns_per``) held back."""
+    _safely(lambda metrics: metrics.runs_limited.labels(rule=rule, limit=limit).inc())
 
 
 def record_dispatch_lag(lag_s: float) -> None:

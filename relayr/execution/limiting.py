@@ -1,0 +1,216 @@
+"""The operators' limits, applied where a run is claimed: a run over a limit waits.
+
+Before its claim, a leased run that is due is checked against every limit that binds it
+(:mod:`relayr.core.limits`), in one transaction of the limit store
+(:mod:`relayr.ledger.limits`), which also takes what the run uses. A run refused is not
+attempted: in reflexr's store it stays ``pending`` (or ``retrying``), its due time moved to when
+the limit expects to allow it (a window's next opening), or to a lease away for a limit on what
+is in flight, which the run that frees a slot brings forward by waking the runs waiting on it.
+So a run over a limit never fails for it, never runs twice (the claim decides, as ever) and is
+never lost (it stays due in the store). The ADR "limits on what rules spend" says why.
+
+Nothing here runs for an application whose allowlist has no limit.
+"""
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Final
+
+import structlog
+from reflexr.core import WAITING, Run, new_event_id, retry
+from reflexr.workspace import REACTOR, Entry, WorkspaceRef, Workspaces
+
+from relayr.core.allowlist import Allowlists
+from relayr.core.limits import TURN_KINDS, Limit, LimitKind, Rate
+from relayr.core.run_messages import RunBatch
+from relayr.ledger.limits import Check, LimitStore, Refusal, RunKey
+from relayr.observe import metrics
+from relayr.runtime.transient import retried
+
+type Requeue = Callable[[RunBatch], Awaitable[None]]
+"""Hands woken runs to the queue at once (a worker's), instead of the dispatcher's next pass."""
+
+logger = structlog.get_logger("relayr.limits")
+
+FIRST_HIT_WINDOW: Final = timedelta(minutes=1)
+"""How long after a limit's ``limit hit`` log line its next refusals stay quiet (counted only)."""
+
+
+@dataclass
+class Admitted:
+    """What :meth:`Limiter.admit` decided: the runs refused (and why), and those admitted
+    under some limit, which hold what they use until released."""
+
+    refused: dict[str, str] = field(default_factory=dict)
+    bound: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Limiter:
+    """Checks runs against the limits in force, defers those over them, and wakes waiters."""
+
+    rules: Workspaces
+    store: LimitStore
+    allowlists: Callable[[], Allowlists]
+    lease_ttl: timedelta
+    requeue: Requeue | None = None
+    _hit_at: dict[str, datetime] = field(default_factory=dict)
+
+    def active(self) -> bool:
+        """Whether the allowlist in force has any limit (else nothing here runs)."""
+        return bool(self.allowlists().limits)
+
+    def binds(self, ref: WorkspaceRef, rule: str) -> bool:
+        """Whether some limit binds runs of ``rule`` in the workspace."""
+        return bool(self.allowlists().limits_for(rule, ref.tenant_id, ref.workspace_id))
+
+    async def admit(self, ref: WorkspaceRef, run_ids: Sequence[str]) -> "Admitted":
+        """Check each run: those refused are deferred in the store (and said why); those
+        admitted under a limit hold its slots until :meth:`release`."""
+        allowlists = self.allowlists()
+        admitted = Admitted()
+        refused = admitted.refused
+        for run_id in run_ids:
+            refusal = await self._admit_one(allowlists, ref, run_id, admitted)
+            if refusal is not None:
+                refused[run_id] = refusal
+        return admitted
+
+    async def _admit_one(
+        self, allowlists: Allowlists, ref: WorkspaceRef, run_id: str, admitted: "Admitted"
+    ) -> str | None:
+        run = await retried(lambda: self.rules.storage.run(ref, run_id))
+        now = self.rules.clock()
+        if run is None or run.status not in WAITING or run.next_attempt_at > now:
+            return None  # the claim says what it is; nothing starts, nothing to count
+        checks = checks_for(allowlists, ref, run)
+        if not checks:
+            return None
+        key = RunKey(ref.tenant_id, ref.workspace_id, run.id)
+        refusal = await retried(
+            lambda: self.store.admit(key, checks, now=now, lease_until=now + self.lease_ttl)
+        )
+        if refusal is None:
+            admitted.bound.add(run.id)
+            return None
+        await self._defer(ref, run.id, refusal, now)
+        self._hit(run, refusal, now)
+        return refusal.describe()
+
+    async def _defer(self, ref: WorkspaceRef, run_id: str, refusal: Refusal, now: datetime) -> None:
+        """Move the waiting run's due time: a window's next opening, else a lease away (the
+        safety net of a wake that never comes, as from a worker that died holding a slot)."""
+        until = refusal.next_at if refusal.next_at is not None else now + self.lease_ttl
+
+        async def defer() -> None:
+            async with self.rules.storage.transaction(ref) as transaction:
+                run = await transaction.run(run_id)
+                if run is not None and run.status in WAITING and run.next_attempt_at < until:
+                    await transaction.save_runs(
+                        [run.model_copy(update={"next_attempt_at": until, "updated_at": now})]
+                    )
+
+        await retried(defer)
+
+    def _hit(self, run: Run, refusal: Refusal, now: datetime) -> None:
+        check = refusal.check
+        metrics.record_limited(run.rule, f"{check.limit}/{check.kind}")
+        last = self._hit_at.get(check.bucket)
+        if last is None or now - last >= FIRST_HIT_WINDOW:
+            self._hit_at[check.bucket] = now
+            logger.warning(
+                "limit hit: runs wait",
+                limit=f"limits.{check.limit}",
+                kind=check.kind,
+                bound=str(check.bound),
+                rule=run.rule,
+                run_id=run.id,
+                next_at=None if refusal.next_at is None else refusal.next_at.isoformat(),
+            )
+
+    async def release(self, ref: WorkspaceRef, run_id: str) -> None:
+        """Free what the run held in flight, and wake the runs waiting on those limits."""
+        key = RunKey(ref.tenant_id, ref.workspace_id, run_id)
+        try:
+            woken = await retried(lambda: self.store.release(key))
+            await self.wake(woken)
+        except Exception:  # the slot's lease lapses: the waiters go then
+            logger.exception(
+                "releasing a run's limits failed; its lease will free them", run_id=run_id
+            )
+
+    async def renew(self, ref: WorkspaceRef, run_id: str) -> None:
+        key = RunKey(ref.tenant_id, ref.workspace_id, run_id)
+        await retried(
+            lambda: self.store.renew(key, lease_until=self.rules.clock() + self.lease_ttl)
+        )
+
+    async def wake(self, runs: Sequence[RunKey]) -> None:
+        """Make waiting runs due now (reflexr's ``retry``), oldest first, and queue them."""
+        by_workspace: dict[tuple[str, str], list[str]] = {}
+        for key in runs:
+            if await self._due_now(key):
+                by_workspace.setdefault((key.tenant_id, key.workspace_id), []).append(key.run_id)
+        if self.requeue is None:
+            return
+        for (tenant_id, workspace_id), run_ids in by_workspace.items():
+            try:
+                await self.requeue(
+                    RunBatch(tenant_id=tenant_id, workspace_id=workspace_id, run_ids=tuple(run_ids))
+                )
+            except Exception:  # they are due in the store: the dispatcher finds them
+                logger.warning("queueing woken runs failed", run_ids=run_ids, exc_info=True)
+
+    async def _due_now(self, key: RunKey) -> bool:
+        ref = WorkspaceRef(key.tenant_id, key.workspace_id)
+
+        async def due() -> bool:
+            async with self.rules.storage.transaction(ref) as transaction:
+                run = await transaction.run(key.run_id)
+                now = self.rules.clock()
+                if run is None or run.status not in WAITING or run.next_attempt_at <= now:
+                    return run is not None and run.status in WAITING
+                requeued, fact = retry(run, now=now)
+                await transaction.save_runs([requeued])
+                await transaction.append(
+                    [
+                        Entry(
+                            id=new_event_id(),
+                            actor=REACTOR,
+                            event=fact,
+                            causation=run.causation,
+                            correlation_id=run.correlation_id,
+                        )
+                    ]
+                )
+                return True
+
+        return await retried(due)
+
+
+def checks_for(allowlists: Allowlists, ref: WorkspaceRef, run: Run) -> list[Check]:
+    """What a run must fit in: each bound of each limit that binds it. Limits on turns bind
+    only a rule granted turns: another rule's runs start none."""
+    limits = allowlists.limits_for(run.rule, ref.tenant_id, ref.workspace_id)
+    if not limits:
+        return []
+    turns = allowlists.for_rule(run.rule).turns
+    key = str(RunKey(ref.tenant_id, ref.workspace_id, run.id))
+    checks: list[Check] = []
+    for limit in limits:
+        for kind, bound in limit.bounds():
+            if kind in TURN_KINDS and not turns:
+                continue
+            checks.append(_check(limit, kind, bound, key, run))
+    return checks
+
+
+def _check(limit: Limit, kind: LimitKind, bound: int | Rate, key: str, run: Run) -> Check:
+    bucket = f"{limit.name}/{kind}"
+    if kind == "chain_runs_per":
+        bucket = f"{bucket}/{run.correlation_id}"
+    # a run's use is counted once, whatever its attempts: a retried attempt sends the same
+    # derived message, which starts no second turn
+    use = None if kind == "tokens_per" or isinstance(bound, int) else key
+    return Check(limit.name, kind, bucket, bound, use)
