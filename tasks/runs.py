@@ -34,9 +34,10 @@ from pydantic_core import ErrorDetails
 from relayr.core import reasons
 from relayr.core.errors import InvalidTask
 from relayr.core.run_messages import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunBatch
-from relayr.execution import executor
+from relayr.execution import executor, limiting
 from relayr.execution.executor import Executed
 from relayr.observe import metrics
+from relayr.runtime.process import Runtime
 from tasks.worker import process
 
 logger = structlog.get_logger("relayr.tasks")
@@ -223,6 +224,7 @@ def _execute(self: Any, batch: RunBatch) -> list[str]:
                 runtime = process.runtime()
                 if runtime.requeue is None:
                     runtime.requeue = _requeuer(self.app, settings.queue)
+                    process.call(_watching(runtime))
                 results = process.call(
                     executor.execute_runs(
                         runtime, batch.tenant_id, batch.workspace_id, batch.run_ids
@@ -250,6 +252,10 @@ def _requeuer(app: Any, queue: str) -> Callable[[RunBatch], Awaitable[None]]:
         await asyncio.to_thread(send_runs, app, queue, batch)
 
     return requeue
+
+
+async def _watching(runtime: Runtime) -> None:
+    limiting.watch_reloads(runtime)
 
 
 def _fail_lost(batch: RunBatch, delivery: int, max_redeliveries: int) -> Executed:

@@ -12,6 +12,7 @@ never lost (it stays due in the store). The ADR "limits on what rules spend" say
 Nothing here runs for an application whose allowlist has no limit.
 """
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -26,12 +27,17 @@ from relayr.core.limits import TURN_KINDS, Limit, LimitKind, Rate
 from relayr.core.run_messages import RunBatch
 from relayr.ledger.limits import Check, LimitStore, Refusal, RunKey
 from relayr.observe import metrics
+from relayr.runtime.process import Runtime
 from relayr.runtime.transient import retried
 
 type Requeue = Callable[[RunBatch], Awaitable[None]]
 """Hands woken runs to the queue at once (a worker's), instead of the dispatcher's next pass."""
 
 logger = structlog.get_logger("relayr.limits")
+
+RELOAD_CHECK_S: Final = 1.0
+"""How often a worker looks whether the limits in force changed (the allowlist file is looked
+at once a second too): a raised limit lets the runs waiting on it go within about a second."""
 
 FIRST_HIT_WINDOW: Final = timedelta(minutes=1)
 """How long after a limit's ``limit hit`` log line its next refusals stay quiet (counted only)."""
@@ -149,9 +155,14 @@ class Limiter:
     async def wake(self, runs: Sequence[RunKey]) -> None:
         """Make waiting runs due now (reflexr's ``retry``), oldest first, and queue them."""
         by_workspace: dict[tuple[str, str], list[str]] = {}
+        gone: list[RunKey] = []
         for key in runs:
             if await self._due_now(key):
                 by_workspace.setdefault((key.tenant_id, key.workspace_id), []).append(key.run_id)
+            else:
+                gone.append(key)  # finished meanwhile (an operator cancelled it, say)
+        if gone:
+            await retried(lambda: self.store.forget_waiting(gone))
         if self.requeue is None:
             return
         for (tenant_id, workspace_id), run_ids in by_workspace.items():
@@ -169,8 +180,10 @@ class Limiter:
             async with self.rules.storage.transaction(ref) as transaction:
                 run = await transaction.run(key.run_id)
                 now = self.rules.clock()
-                if run is None or run.status not in WAITING or run.next_attempt_at <= now:
-                    return run is not None and run.status in WAITING
+                if run is None or run.status not in WAITING:
+                    return False
+                if run.next_attempt_at <= now:
+                    return True
                 requeued, fact = retry(run, now=now)
                 await transaction.save_runs([requeued])
                 await transaction.append(
@@ -214,3 +227,40 @@ def _check(limit: Limit, kind: LimitKind, bound: int | Rate, key: str, run: Run)
     # derived message, which starts no second turn
     use = None if kind == "tokens_per" or isinstance(bound, int) else key
     return Check(limit.name, kind, bucket, bound, use)
+
+
+_watching: set["asyncio.Task[None]"] = set()
+
+
+def watch_reloads(runtime: Runtime) -> None:
+    """Start, on the running loop, what wakes every waiting run when the limits in force
+    change (a reload of the allowlist file): those a raised limit lets go start at once, the
+    others are checked again and wait on. Once per process; a worker calls it."""
+    if _watching:
+        return
+    limiter = Limiter(
+        runtime.application.rules,
+        runtime.bridge.limits,
+        runtime.bridge.allowlists,
+        timedelta(seconds=runtime.settings.lease_ttl_s),
+        runtime.requeue,
+    )
+    task = asyncio.get_running_loop().create_task(_follow_reloads(limiter))
+    _watching.add(task)
+    task.add_done_callback(_watching.discard)
+
+
+async def _follow_reloads(limiter: Limiter) -> None:
+    last = limiter.allowlists().limits
+    while True:
+        await asyncio.sleep(RELOAD_CHECK_S)
+        try:
+            limits = limiter.allowlists().limits
+            if limits == last:
+                continue
+            last = limits
+            waiting = await retried(lambda: limiter.store.waiting())
+            logger.info("limits changed: waiting runs checked again", runs=len(waiting))
+            await limiter.wake([wait.run for wait in waiting])
+        except Exception:
+            logger.exception("waking runs after the limits changed failed; they wait on")

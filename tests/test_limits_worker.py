@@ -1,0 +1,217 @@
+"""Limits on real worker processes: ``turns_per`` held across two workers, one SIGKILLed.
+
+Two ``celery worker`` processes and ``relayr dispatch`` run the example's incident triage
+(tests/limits_app.py) on a clock the test moves, with ``turns_per = "10/1m"``. Every incident
+has a thread of its own, so each triage message starts one agent turn. The test moves the clock
+a minute at a time, only once every run is settled (done, or waiting for a time after the
+clock), and counts the turns each minute started (artifactr's ``run_started``): never more than
+ten; at the end every incident got its turn, and no message was sent twice. One worker is
+SIGKILLed while a minute's runs go. Embedded default (filesystem broker, SQLite), and Redis
+with PostgreSQL.
+"""
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from artifactr import UserActor
+from artifactr.core import MessagePosted, RunEnded, RunStarted
+from reflexr import SourceActor
+from reflexr.core import WAITING
+
+from relayr.runtime.application import Application
+from relayr.settings import Settings
+from rules.example.events import IncidentOpened
+from tests.limits_app import create_clocked_app, set_clock
+from tests.services import forgetting_redis_queue
+from tests.workers import RelayrProcess, relayr_environment, running_dispatcher, start_worker
+
+pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(900)]
+
+TENANT, WORKSPACE = "acme", "ops"
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+INCIDENTS = 100
+PER_MINUTE = 10
+STAGE_TIMEOUT_S = 120.0
+KILL_AT_STAGE = 3
+RULE_AUTHOR = "external_agent:reflexr:ops:incident-triage"
+
+ALLOWLIST = f"""
+[rules."ops:incident-triage"]
+turns = true
+
+[limits.triage]
+rules = ["ops:incident-triage"]
+turns_per = "{PER_MINUTE}/1m"
+"""
+
+
+def environment_for(tmp_path: Path, **settings: object) -> dict[str, str]:
+    allowlist = tmp_path / "allowlist.toml"
+    allowlist.write_text(ALLOWLIST)
+    set_clock(tmp_path, T0)
+    return relayr_environment(
+        tmp_path,
+        app="tests.limits_app:create_clocked_app",
+        allowlist=allowlist,
+        lease_ttl_s=3,
+        requeue_after_s=2,
+        **settings,
+    )
+
+
+@pytest.fixture
+def embedded(tmp_path: Path) -> dict[str, str]:
+    return environment_for(tmp_path)
+
+
+@pytest.fixture
+def on_redis_and_postgres(
+    tmp_path: Path, redis_url: str, postgres_url: str
+) -> Iterator[dict[str, str]]:
+    environment = environment_for(tmp_path, broker_url=redis_url, database_url=postgres_url)
+    with forgetting_redis_queue(environment["RELAYR_QUEUE"], url=redis_url):
+        yield environment
+
+
+class World:
+    """What the test reads: the runs in reflexr, the turns and messages in artifactr."""
+
+    def __init__(self, application: Application) -> None:
+        self.application = application
+
+    async def publish_incidents(self, count: int) -> None:
+        threads = await self.application.artifacts.open(
+            TENANT, WORKSPACE, actor=UserActor(id="alice")
+        )
+        source = await self.application.rules.open(
+            TENANT, WORKSPACE, actor=SourceActor(name="test")
+        )
+        for number in range(count):
+            thread = await threads.create_thread(f"incident {number}")
+            await source.publish(IncidentOpened(title=f"incident {number}", thread_id=thread.id))
+
+    async def settled(self) -> bool:
+        """Every run is done, or waits for a time after the clock (none can start now)."""
+        source = await self.application.rules.open(
+            TENANT, WORKSPACE, actor=SourceActor(name="test")
+        )
+        now = self.application.rules.clock()
+        runs = await source.runs(limit=10 * INCIDENTS)
+        return len(runs) == INCIDENTS and all(
+            run.status == "succeeded" or (run.status in WAITING and run.next_attempt_at > now)
+            for run in runs
+        )
+
+    async def succeeded(self) -> int:
+        source = await self.application.rules.open(
+            TENANT, WORKSPACE, actor=SourceActor(name="test")
+        )
+        return sum(run.status == "succeeded" for run in await source.runs(limit=10 * INCIDENTS))
+
+    async def log(self) -> list[Any]:
+        threads = await self.application.artifacts.open(
+            TENANT, WORKSPACE, actor=UserActor(id="alice")
+        )
+        return [envelope.event for envelope in await threads.read()]
+
+    async def turns(self) -> tuple[int, int]:
+        events = await self.log()
+        started = sum(isinstance(event, RunStarted) for event in events)
+        ended = sum(isinstance(event, RunEnded) for event in events)
+        return started, ended
+
+
+async def until(what: str, probe: Any, *processes: RelayrProcess) -> None:
+    deadline = asyncio.get_running_loop().time() + STAGE_TIMEOUT_S
+    while not await probe():
+        for process in processes:
+            assert process.alive(), f"{process.name} died waiting for {what}:\n{process.log()}"
+        if asyncio.get_running_loop().time() > deadline:
+            logs = "\n".join(f"== {p.name}\n{p.log()[-4000:]}" for p in processes)
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        await asyncio.sleep(0.3)
+
+
+async def scenario(environment: dict[str, str]) -> None:
+    settings = Settings.from_env(environment)
+    home = settings.home
+    application = await create_clocked_app(settings)
+    world = World(application)
+    workers: list[RelayrProcess] = []
+    try:
+        await world.publish_incidents(INCIDENTS)
+        workers = [
+            await asyncio.to_thread(start_worker, environment, home, concurrency=1)
+            for _ in range(2)
+        ]
+        with running_dispatcher(environment, home, "--no-follow") as dispatcher:
+            started_by_minute: list[int] = []
+            now = T0
+            alive = list(workers)
+            stage = 0
+            while True:
+                if stage == KILL_AT_STAGE:
+                    before = (await world.turns())[0]
+
+                    async def some_started(before: int = before) -> bool:
+                        return (await world.turns())[0] > before
+
+                    await until("a turn of the minute", some_started, *alive, dispatcher)
+                    workers[1].kill()
+                    alive = [workers[0]]
+
+                async def settled_and_taken() -> bool:
+                    if not await world.settled():
+                        return False
+                    started, _ = await world.turns()
+                    return started >= await world.succeeded()
+
+                await until(f"minute {stage} to settle", settled_and_taken, *alive, dispatcher)
+                started, _ = await world.turns()
+                started_by_minute.append(started - sum(started_by_minute))
+                if await world.succeeded() == INCIDENTS:
+                    break
+                assert stage < INCIDENTS // PER_MINUTE + 3, started_by_minute
+                stage += 1
+                now += timedelta(minutes=1)
+                set_clock(home, now)
+
+            async def every_turn_ended() -> bool:
+                started, ended = await world.turns()
+                return ended == started == INCIDENTS
+
+            await until("every turn to end", every_turn_ended, *alive, dispatcher)
+            print("turns started by minute:", started_by_minute)
+            assert max(started_by_minute) <= PER_MINUTE, started_by_minute
+            assert sum(started_by_minute) == INCIDENTS
+            sent = Counter(
+                event.message_id
+                for event in await world.log()
+                if isinstance(event, MessagePosted) and event.kind == "message"
+            )
+            assert len(sent) == 2 * INCIDENTS  # a triage message and a reply in each thread
+            assert set(sent.values()) == {1}
+            logs = "".join(worker.log() for worker in workers)
+            assert '"limit hit: runs wait"' in logs
+            assert '"outcome": "limited"' in logs or '"outcome":"limited"' in logs
+    finally:
+        for worker in workers:
+            await asyncio.to_thread(worker.stop)
+        await application.aclose()
+
+
+def test_turns_per_across_two_workers_one_killed_embedded(embedded: dict[str, str]) -> None:
+    asyncio.run(scenario(embedded))
+
+
+@pytest.mark.redis
+@pytest.mark.postgres
+def test_turns_per_across_two_workers_one_killed_on_redis_and_postgres(
+    on_redis_and_postgres: dict[str, str],
+) -> None:
+    asyncio.run(scenario(on_redis_and_postgres))
