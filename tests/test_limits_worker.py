@@ -11,6 +11,9 @@ with PostgreSQL.
 """
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -28,7 +31,7 @@ from relayr.settings import Settings
 from rules.example.events import IncidentOpened
 from tests.limits_app import create_clocked_app, set_clock
 from tests.services import forgetting_redis_queue
-from tests.workers import RelayrProcess, relayr_environment, running_dispatcher, start_worker
+from tests.workers import REPO, RelayrProcess, relayr_environment, running_dispatcher, start_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -137,6 +140,34 @@ async def until(what: str, probe: Any, *processes: RelayrProcess) -> None:
         await asyncio.sleep(0.3)
 
 
+def relayr(environment: dict[str, str], *args: str) -> Any:
+    """``relayr ARGS --json``'s parsed output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "relayr.cli", *args, "--json"],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    return json.loads(done.stdout)
+
+
+def ops_see_the_first_minute(environment: dict[str, str]) -> None:
+    """After the first minute: ten turns used, the ninety others wait, each saying why."""
+    [use] = relayr(environment, "limits")
+    assert (use["limit"], use["kind"], use["bound"]) == ("limits.triage", "turns_per", "10/1m")
+    assert (use["used"], use["waiting"]) == (PER_MINUTE, INCIDENTS - PER_MINUTE)
+    waiting = relayr(environment, "runs", "list", "--status", "pending", "--limit", "1000")
+    next_at = (T0 + timedelta(minutes=1)).isoformat()
+    assert len(waiting) == INCIDENTS - PER_MINUTE
+    assert {row["waiting"] for row in waiting} == {
+        f"waiting: turns_per 10/1m of limits.triage, next at {next_at}"
+    }
+    assert {row["attempts"] for row in waiting} == {0}
+
+
 async def scenario(environment: dict[str, str]) -> None:
     settings = Settings.from_env(environment)
     home = settings.home
@@ -174,6 +205,8 @@ async def scenario(environment: dict[str, str]) -> None:
                 await until(f"minute {stage} to settle", settled_and_taken, *alive, dispatcher)
                 started, _ = await world.turns()
                 started_by_minute.append(started - sum(started_by_minute))
+                if stage == 0:
+                    await asyncio.to_thread(ops_see_the_first_minute, environment)
                 if await world.succeeded() == INCIDENTS:
                     break
                 assert stage < INCIDENTS // PER_MINUTE + 3, started_by_minute
