@@ -6,11 +6,17 @@ home, in every process that loads the application (the dispatcher, each worker),
 moves a window by writing a file, never by waiting for one.
 """
 
+import asyncio
 import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
+from artifactr.agent import ArtifactWorkspace, Session, function_model
+from pydantic_ai import Agent, ModelResponse, TextPart
+from pydantic_ai.messages import ModelMessage
+from pydantic_ai.models.function import AgentInfo
+from pydantic_ai.usage import RequestUsage
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
 from relayr.runtime.application import Application, open_storage
@@ -46,20 +52,61 @@ def set_clock(home: Path, now: datetime) -> None:
     partial.replace(home / CLOCK_FILE)
 
 
+TURN_S: Final = 0.5
+"""How long a turn of the slow agent takes: long enough that turns overlap when nothing bounds
+them (two workers, many incidents), which the count of turns in flight then shows."""
+
+USAGE: Final = RequestUsage(input_tokens=100, output_tokens=50)
+"""What the slow agent's model reports for each request: each turn makes one."""
+
+
+def slow_agent() -> Agent[Session[None], str]:
+    """An offline agent whose every turn takes :data:`TURN_S` and reports :data:`USAGE`."""
+    from rules.example.agent import REPLY, TriageNote
+
+    async def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        await asyncio.sleep(TURN_S)
+        return ModelResponse(parts=[TextPart(REPLY)], usage=USAGE)
+
+    return Agent(
+        function_model(respond),
+        deps_type=Session[None],
+        capabilities=[ArtifactWorkspace(types=[TriageNote])],
+    )
+
+
 async def create_clocked_app(settings: Settings) -> Application:
     """The example's deploy notice and incident triage, its agent, on the file's clock."""
+    from rules.example.agent import triage_agent
+
+    return await _clocked(settings, triage_agent())
+
+
+async def create_slow_clocked_app(settings: Settings) -> Application:
+    """The same with :func:`slow_agent`."""
+    return await _clocked(settings, slow_agent())
+
+
+async def _clocked(settings: Settings, agent: Agent[Session[None], str]) -> Application:
+    from relayr.follow.events import BRIDGED_EVENTS, PUBLISHERS
     from rules.example import artifact_workspaces
     from rules.example.actions import ACTIONS
-    from rules.example.agent import triage_agent
     from rules.example.events import EVENTS
     from rules.example.rules import RULES
 
     storage = await open_storage(settings)
     clock = FileClock(settings.home.absolute() / CLOCK_FILE)
+    rules = RuleWorkspaces(
+        storage.rules,
+        events=[*EVENTS, *BRIDGED_EVENTS],
+        publishers=PUBLISHERS,
+        rules=list(RULES),
+        clock=clock,
+    )
     return Application(
         artifacts=artifact_workspaces(storage.artifacts),
-        rules=RuleWorkspaces(storage.rules, events=list(EVENTS), rules=list(RULES), clock=clock),
+        rules=rules,
         actions=ACTIONS,
-        agent=triage_agent(),
+        agent=agent,
         engines=storage.engines,
     )

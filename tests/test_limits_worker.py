@@ -1,4 +1,4 @@
-"""Limits on real worker processes: ``turns_per`` held across two workers, one SIGKILLed.
+"""Limits on real worker processes: turns per minute, turns in flight, tokens per hour.
 
 Two ``celery worker`` processes and ``relayr dispatch`` run the example's incident triage
 (tests/limits_app.py) on a clock the test moves, with ``turns_per = "10/1m"``. Every incident
@@ -8,6 +8,12 @@ clock), and counts the turns each minute started (artifactr's ``run_started``): 
 ten; at the end every incident got its turn, and no message was sent twice. One worker is
 SIGKILLed while a minute's runs go. Embedded default (filesystem broker, SQLite), and Redis
 with PostgreSQL.
+
+With a slow agent (tests/limits_app.py: each turn takes half a second and reports fixed usage)
+and the dispatcher following artifactr, so a turn's end frees what it held: ``turns_in_flight``
+keeps at most two turns running at once (artifactr's ``run_started`` and ``run_ended``, in log
+order), and ``tokens_per`` lets turns start while the hour's tokens are under the budget, the
+rest waiting for the hour to move; the tokens counted are the turns' ``usage``.
 """
 
 import asyncio
@@ -26,6 +32,7 @@ from artifactr.core import MessagePosted, RunEnded, RunStarted
 from reflexr import SourceActor
 from reflexr.core import WAITING
 
+from relayr.ledger.limits import SqlLimitStore
 from relayr.runtime.application import Application
 from relayr.settings import Settings
 from rules.example.events import IncidentOpened
@@ -84,8 +91,9 @@ def on_redis_and_postgres(
 class World:
     """What the test reads: the runs in reflexr, the turns and messages in artifactr."""
 
-    def __init__(self, application: Application) -> None:
+    def __init__(self, application: Application, incidents: int = INCIDENTS) -> None:
         self.application = application
+        self.incidents = incidents
 
     async def publish_incidents(self, count: int) -> None:
         threads = await self.application.artifacts.open(
@@ -104,8 +112,8 @@ class World:
             TENANT, WORKSPACE, actor=SourceActor(name="test")
         )
         now = self.application.rules.clock()
-        runs = await source.runs(limit=10 * INCIDENTS)
-        return len(runs) == INCIDENTS and all(
+        runs = await source.runs(limit=10 * self.incidents)
+        return len(runs) == self.incidents and all(
             run.status == "succeeded" or (run.status in WAITING and run.next_attempt_at > now)
             for run in runs
         )
@@ -114,7 +122,8 @@ class World:
         source = await self.application.rules.open(
             TENANT, WORKSPACE, actor=SourceActor(name="test")
         )
-        return sum(run.status == "succeeded" for run in await source.runs(limit=10 * INCIDENTS))
+        runs = await source.runs(limit=10 * self.incidents)
+        return sum(run.status == "succeeded" for run in runs)
 
     async def log(self) -> list[Any]:
         threads = await self.application.artifacts.open(
@@ -248,3 +257,135 @@ def test_turns_per_across_two_workers_one_killed_on_redis_and_postgres(
     on_redis_and_postgres: dict[str, str],
 ) -> None:
     asyncio.run(scenario(on_redis_and_postgres))
+
+
+def slow_environment(tmp_path: Path, allowlist: str, **settings: object) -> dict[str, str]:
+    environment = environment_for(tmp_path, **settings)
+    Path(environment["RELAYR_ALLOWLIST"]).write_text(allowlist)
+    return {**environment, "RELAYR_APP": "tests.limits_app:create_slow_clocked_app"}
+
+
+IN_FLIGHT = """
+[rules."ops:incident-triage"]
+turns = true
+
+[limits.triage]
+rules = ["ops:incident-triage"]
+turns_in_flight = 2
+"""
+
+TOKENS = """
+[rules."ops:incident-triage"]
+turns = true
+
+[limits.triage]
+rules = ["ops:incident-triage"]
+turns_in_flight = 1
+tokens_per = "450/1h"
+"""
+
+
+def turns_at_once(events: list[Any]) -> int:
+    """The most turns running at once, in log order."""
+    running = most = 0
+    for event in events:
+        if isinstance(event, RunStarted):
+            running += 1
+            most = max(most, running)
+        elif isinstance(event, RunEnded):
+            running -= 1
+    return most
+
+
+async def in_flight_scenario(environment: dict[str, str], incidents: int) -> None:
+    settings = Settings.from_env(environment)
+    application = await create_clocked_app(settings)
+    world = World(application, incidents)
+    workers: list[RelayrProcess] = []
+    try:
+        await world.publish_incidents(incidents)
+        workers = [
+            await asyncio.to_thread(start_worker, environment, settings.home, concurrency=2)
+            for _ in range(2)
+        ]
+        with running_dispatcher(environment, settings.home) as dispatcher:
+
+            async def every_turn_ended() -> bool:
+                return await world.turns() == (incidents, incidents)
+
+            await until("every turn to end", every_turn_ended, *workers, dispatcher)
+        events = await world.log()
+        assert turns_at_once(events) == 2
+        assert await world.succeeded() == incidents
+        sent = Counter(
+            event.message_id
+            for event in events
+            if isinstance(event, MessagePosted) and event.kind == "message"
+        )
+        assert len(sent) == 2 * incidents
+        assert set(sent.values()) == {1}
+    finally:
+        for worker in workers:
+            await asyncio.to_thread(worker.stop)
+        await application.aclose()
+
+
+async def tokens_scenario(environment: dict[str, str]) -> None:
+    incidents = 6
+    settings = Settings.from_env(environment)
+    application = await create_clocked_app(settings)
+    world = World(application, incidents)
+    store = SqlLimitStore(application.engines[0])
+    workers: list[RelayrProcess] = []
+    try:
+        await world.publish_incidents(incidents)
+        workers = [await asyncio.to_thread(start_worker, environment, settings.home)]
+        with running_dispatcher(environment, settings.home) as dispatcher:
+            for hour in range(2):
+
+                async def hour_spent(hour: int = hour) -> bool:
+                    waits = await store.waiting()
+                    done = 3 * (hour + 1)
+                    return (
+                        await world.turns() == (done, done)
+                        and await world.succeeded() == done
+                        and all(wait.kind == "tokens_per" for wait in waits)
+                        and len(waits) == incidents - done
+                    )
+
+                await until(f"hour {hour}'s budget to be spent", hour_spent, *workers, dispatcher)
+                [tokens] = [
+                    use
+                    for use in await asyncio.to_thread(relayr, environment, "limits")
+                    if use["kind"] == "tokens_per"
+                ]
+                assert tokens["used"] == 450
+                set_clock(settings.home, T0 + timedelta(hours=hour + 1))
+        usage = [event.usage for event in await world.log() if isinstance(event, RunEnded)]
+        assert len(usage) == incidents
+        assert sum(u.input_tokens + u.output_tokens for u in usage if u is not None) == 900
+        assert turns_at_once(await world.log()) == 1
+    finally:
+        for worker in workers:
+            await asyncio.to_thread(worker.stop)
+        await application.aclose()
+
+
+def test_turns_in_flight_embedded(tmp_path: Path) -> None:
+    asyncio.run(in_flight_scenario(slow_environment(tmp_path, IN_FLIGHT), 12))
+
+
+@pytest.mark.redis
+@pytest.mark.postgres
+def test_turns_in_flight_on_redis_and_postgres(
+    tmp_path: Path, redis_url: str, postgres_url: str
+) -> None:
+    environment = slow_environment(
+        tmp_path, IN_FLIGHT, broker_url=redis_url, database_url=postgres_url
+    )
+    with forgetting_redis_queue(environment["RELAYR_QUEUE"], url=redis_url):
+        asyncio.run(in_flight_scenario(environment, 12))
+
+
+def test_tokens_per_embedded(tmp_path: Path) -> None:
+    asyncio.run(tokens_scenario(slow_environment(tmp_path, TOKENS)))

@@ -19,8 +19,8 @@ from datetime import datetime, timedelta
 from typing import Final
 
 import structlog
-from reflexr.core import WAITING, Run, new_event_id, retry
-from reflexr.workspace import REACTOR, Entry, WorkspaceRef, Workspaces
+from reflexr.core import WAITING, Run
+from reflexr.workspace import WorkspaceRef, Workspaces
 
 from relayr.core.allowlist import Allowlists
 from relayr.core.limits import TURN_KINDS, Limit, LimitKind, Rate
@@ -29,6 +29,7 @@ from relayr.ledger.limits import Check, LimitStore, Refusal, RunKey
 from relayr.observe import metrics
 from relayr.runtime.process import Runtime
 from relayr.runtime.transient import retried
+from relayr.runtime.waking import make_due
 
 type Requeue = Callable[[RunBatch], Awaitable[None]]
 """Hands woken runs to the queue at once (a worker's), instead of the dispatcher's next pass."""
@@ -38,6 +39,11 @@ logger = structlog.get_logger("relayr.limits")
 RELOAD_CHECK_S: Final = 1.0
 """How often a worker looks whether the limits in force changed (the allowlist file is looked
 at once a second too): a raised limit lets the runs waiting on it go within about a second."""
+
+TURN_SLOT_TTL: Final = timedelta(minutes=10)
+"""How long a ``turns_in_flight`` slot outlives the attempt whose message started the turn,
+unless the turn's end frees it first: longer than a turn, so it is only the safety net of a turn
+whose end no follower sees (a worker killed mid-turn leaves its turn running in artifactr)."""
 
 FIRST_HIT_WINDOW: Final = timedelta(minutes=1)
 """How long after a limit's ``limit hit`` log line its next refusals stay quiet (counted only)."""
@@ -135,11 +141,21 @@ class Limiter:
                 next_at=None if refusal.next_at is None else refusal.next_at.isoformat(),
             )
 
-    async def release(self, ref: WorkspaceRef, run_id: str) -> None:
-        """Free what the run held in flight, and wake the runs waiting on those limits."""
+    async def release(self, ref: WorkspaceRef, run_id: str, *, sent: bool = False) -> None:
+        """Free what the run's attempt held in flight, and wake the runs waiting on those
+        limits. When the attempt sent a message that starts a turn, its ``turns_in_flight``
+        slot is kept until the turn ends (:meth:`LimitStore.turn_ended`, as the followers see
+        it), under a lease of :data:`TURN_SLOT_TTL` in case its end is never seen."""
         key = RunKey(ref.tenant_id, ref.workspace_id, run_id)
         try:
-            woken = await retried(lambda: self.store.release(key))
+            if sent:
+                until = self.rules.clock() + TURN_SLOT_TTL
+                await retried(
+                    lambda: self.store.renew(key, lease_until=until, kinds=("turns_in_flight",))
+                )
+                woken = await retried(lambda: self.store.release(key, kinds=("runs_in_flight",)))
+            else:
+                woken = await retried(lambda: self.store.release(key))
             await self.wake(woken)
         except Exception:  # the slot's lease lapses: the waiters go then
             logger.exception(
@@ -155,14 +171,8 @@ class Limiter:
     async def wake(self, runs: Sequence[RunKey]) -> None:
         """Make waiting runs due now (reflexr's ``retry``), oldest first, and queue them."""
         by_workspace: dict[tuple[str, str], list[str]] = {}
-        gone: list[RunKey] = []
-        for key in runs:
-            if await self._due_now(key):
-                by_workspace.setdefault((key.tenant_id, key.workspace_id), []).append(key.run_id)
-            else:
-                gone.append(key)  # finished meanwhile (an operator cancelled it, say)
-        if gone:
-            await retried(lambda: self.store.forget_waiting(gone))
+        for key in await make_due(self.rules, self.store, runs):
+            by_workspace.setdefault((key.tenant_id, key.workspace_id), []).append(key.run_id)
         if self.requeue is None:
             return
         for (tenant_id, workspace_id), run_ids in by_workspace.items():
@@ -172,34 +182,6 @@ class Limiter:
                 )
             except Exception:  # they are due in the store: the dispatcher finds them
                 logger.warning("queueing woken runs failed", run_ids=run_ids, exc_info=True)
-
-    async def _due_now(self, key: RunKey) -> bool:
-        ref = WorkspaceRef(key.tenant_id, key.workspace_id)
-
-        async def due() -> bool:
-            async with self.rules.storage.transaction(ref) as transaction:
-                run = await transaction.run(key.run_id)
-                now = self.rules.clock()
-                if run is None or run.status not in WAITING:
-                    return False
-                if run.next_attempt_at <= now:
-                    return True
-                requeued, fact = retry(run, now=now)
-                await transaction.save_runs([requeued])
-                await transaction.append(
-                    [
-                        Entry(
-                            id=new_event_id(),
-                            actor=REACTOR,
-                            event=fact,
-                            causation=run.causation,
-                            correlation_id=run.correlation_id,
-                        )
-                    ]
-                )
-                return True
-
-        return await retried(due)
 
 
 def checks_for(allowlists: Allowlists, ref: WorkspaceRef, run: Run) -> list[Check]:
@@ -225,8 +207,8 @@ def _check(limit: Limit, kind: LimitKind, bound: int | Rate, key: str, run: Run)
         bucket = f"{bucket}/{run.correlation_id}"
     # a run's use is counted once, whatever its attempts: a retried attempt sends the same
     # derived message, which starts no second turn
-    use = None if kind == "tokens_per" or isinstance(bound, int) else key
-    return Check(limit.name, kind, bucket, bound, use)
+    use = None if isinstance(bound, int) else key
+    return Check(limit.name, kind, bucket, bound, use, 0 if kind == "tokens_per" else 1)
 
 
 _watching: set["asyncio.Task[None]"] = set()

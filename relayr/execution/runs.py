@@ -281,8 +281,10 @@ class Batch:
             finished: list[Finished] = []
             writes: list[LedgerWrites] = []
             began: dict[str, float] = {}
+            reactions: dict[str, Reaction[Any] | None] = {}
             for task in done:
                 entry = running.pop(task)
+                reactions[entry.claimed.run.id] = entry.reaction
                 run = entry.claimed.run
                 ended = task.result()
                 if entry.reaction is not None and (left := pending_writes(entry.reaction)):
@@ -299,7 +301,7 @@ class Batch:
                         ),
                         seconds=perf_counter() - entry.began,
                     )
-                    await self._unbind(run.id)
+                    await self._unbind(run.id, entry.reaction)
                     continue
                 successor = await self._successor(entry.claimed)
                 finished.append(Finished(entry.claimed, ended, successor))
@@ -312,7 +314,7 @@ class Batch:
             completion = await self._complete(finished, merged)
             for run_id, outcome in completion.executed.items():
                 self._ended(run_id, outcome, seconds=perf_counter() - began[run_id])
-                await self._unbind(run_id)
+                await self._unbind(run_id, reactions.get(run_id))
             for run_id, outcome in completion.abandoned.items():
                 self._ended(run_id, outcome)
             claimed_next = {claimed.run.id for claimed in completion.started}
@@ -384,10 +386,12 @@ class Batch:
             self.here.discard(here)
             self.runtime.executing.discard(here)
 
-    async def _unbind(self, run_id: str) -> None:
+    async def _unbind(self, run_id: str, reaction: Reaction[Any] | None = None) -> None:
+        """Give back what the run's attempt held under its limits (a turn its message started
+        keeps its slot until it ends: :meth:`relayr.execution.limiting.Limiter.release`)."""
         if run_id in self.bound:
             self.bound.discard(run_id)
-            await self.limiter.release(self.ref, run_id)
+            await self.limiter.release(self.ref, run_id, sent=_sent(reaction))
 
     def _ended(self, run_id: str, executed: Executed, *, seconds: float | None = None) -> None:
         self.results[run_id] = replace(executed, run_id=run_id)
@@ -397,6 +401,13 @@ class Batch:
             self.succeeded.add(run_id)
         run = executed.run
         metrics.record_run(None if run is None else run.rule, executed.outcome, seconds)
+
+
+def _sent(reaction: Reaction[Any] | None) -> bool:
+    """Whether the attempt sent a message that starts a turn (its emission rides the
+    completion, :mod:`relayr.ledger.riding`)."""
+    writes = None if reaction is None else pending_writes(reaction)
+    return writes is not None and any(record.kind == "message" for record in writes.emissions)
 
 
 def _releasing(

@@ -33,9 +33,10 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Final, Self
 
 import structlog
@@ -44,7 +45,7 @@ from artifactr import Workspace as ArtifactWorkspace
 from artifactr import Workspaces as ArtifactWorkspaces
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.follow.batches import Batches
+from relayr.follow.batches import Batches, TurnEnd
 from relayr.follow.config import Inbound
 from relayr.follow.projections import PROJECTIONS
 from relayr.follow.reports import Followed, Replayed, WorkspaceStatus
@@ -55,9 +56,12 @@ from relayr.follow.store import (
     SqlFollowStore,
     workspace_order,
 )
+from relayr.ledger.limits import LimitStore, RunKey
 from relayr.ledger.port import Ledger, WorkspaceKey
 from relayr.observe import telemetry
 from relayr.runtime.application import Application
+from relayr.runtime.transient import retried
+from relayr.runtime.waking import make_due
 
 if TYPE_CHECKING:
     from relayr.runtime.process import Runtime
@@ -108,6 +112,8 @@ class Followers:
         holder: This process's name in the leases.
         lease_ttl_s: How long a lease lasts unless renewed.
         inbound: The application's inbound side: workspaces, projections, hook.
+        limits: The operators' limits' counts: a turn that ends gives back its slot and counts
+            its tokens (:meth:`relayr.ledger.limits.LimitStore.turn_ended`).
         clock: The wall clock leases are stamped with.
         monotonic: The clock renewals and the workspace list are timed on.
     """
@@ -122,9 +128,11 @@ class Followers:
         holder: str,
         lease_ttl_s: float,
         inbound: Inbound | None = None,
+        limits: LimitStore | None = None,
         clock: Callable[[], datetime] = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._limits = limits
         self._artifacts = artifacts
         self._rules = rules
         self.store: Final = store
@@ -148,6 +156,7 @@ class Followers:
         holder: str,
         lease_ttl_s: float,
         store: FollowStore | None = None,
+        limits: LimitStore | None = None,
     ) -> Self:
         """The followers of an application.
 
@@ -165,6 +174,7 @@ class Followers:
             holder=holder,
             lease_ttl_s=lease_ttl_s,
             inbound=application.inbound,
+            limits=limits,
         )
 
     async def follow_all(self) -> Followed:
@@ -261,6 +271,7 @@ class Followers:
                 )
             if self._inbound.after_publish is not None:
                 await self._inbound.after_publish(key, seqs)
+            await self._turns_ended(key, prepared.turn_ends)
             renewed_at = self._monotonic()
             moved = await self.store.advance(
                 key, self._holder, seqs[-1], until=self._until(), dead=prepared.dead
@@ -284,6 +295,21 @@ class Followers:
             if batch == BATCHES_PER_PASS - 1:
                 done.behind = 1
         return done
+
+    async def _turns_ended(self, key: WorkspaceKey, ends: Sequence[TurnEnd]) -> None:
+        """Give the limits what the batch's ended turns held, and wake the runs that waited
+        for it. Done again, it changes nothing: a slot is freed and a turn counted once."""
+        if self._limits is None or not ends:
+            return
+        limits = self._limits
+        woken: list[RunKey] = []
+        for end in ends:
+            run = RunKey(key.tenant_id, key.workspace_id, end.run_id)
+            now = self._rules.clock()
+            ended = partial(limits.turn_ended, run, end.turn_id, end.tokens, now)
+            woken.extend(await retried(ended))
+        if woken:
+            await make_due(self._rules, limits, list(dict.fromkeys(woken)))
 
     async def serve(self, interval_s: float, stop: asyncio.Event) -> None:
         """Follow every workspace every ``interval_s`` until ``stop`` is set, then release the
@@ -433,4 +459,5 @@ def followers_of(runtime: "Runtime") -> "Followers":
         runtime.bridge.ledger,
         holder=runtime.holder,
         lease_ttl_s=runtime.settings.lease_ttl_s,
+        limits=runtime.bridge.limits,
     )

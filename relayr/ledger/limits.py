@@ -58,15 +58,17 @@ class RunKey:
 @dataclass(frozen=True)
 class Check:
     """One bound a run must fit in: ``bucket`` is what is counted together (a limit's name and
-    kind, and a chain's correlation id for ``chain_runs_per``); ``use`` the key its use is
-    counted once under (the run and attempt), None for a check that counts nothing here
-    (``tokens_per``: tokens are recorded as turns end)."""
+    kind, and a chain's correlation id for ``chain_runs_per``); ``use`` the key its use of a
+    window is counted once under (the run), with ``amount`` (0 for ``tokens_per``: the row only
+    says which token windows the run's turns count in as they end,
+    :meth:`LimitStore.turn_ended`)."""
 
     limit: str
     kind: LimitKind
     bucket: str
     bound: int | Rate
     use: str | None
+    amount: int = 1
 
     def describe(self) -> str:
         return f"{self.kind} {self.bound} of limits.{self.limit}"
@@ -129,24 +131,23 @@ class LimitStore(Protocol):
         and the run is recorded as waiting). Admitting an attempt again takes nothing more."""
         ...
 
-    async def give_back(self, run: RunKey, uses: Sequence[str]) -> list[RunKey]:
-        """Free the run's slots and forget the window uses named (an attempt that did not
-        start); return the runs waiting on those buckets, oldest first."""
-        ...
-
     async def release(self, run: RunKey, *, kinds: Sequence[LimitKind] = ()) -> list[RunKey]:
         """Free the run's in-flight slots (of ``kinds``, or all); return the runs waiting on
         their buckets, oldest first."""
         ...
 
-    async def renew(self, run: RunKey, *, lease_until: datetime) -> None:
-        """Keep the run's slots another lease."""
+    async def renew(
+        self, run: RunKey, *, lease_until: datetime, kinds: Sequence[LimitKind] = ()
+    ) -> None:
+        """Keep the run's slots (of ``kinds``, or all) until ``lease_until``."""
         ...
 
-    async def record(
-        self, bucket: str, kind: LimitKind, use: str, amount: int, at: datetime
-    ) -> None:
-        """Count ``amount`` (tokens) in a window bucket, once per ``use``."""
+    async def turn_ended(
+        self, run: RunKey, turn_id: str, tokens: int, at: datetime
+    ) -> list[RunKey]:
+        """A turn the run started ended: free its ``turns_in_flight`` slots and count the
+        turn's ``tokens`` in the run's token windows, once per turn; return the runs waiting on
+        the limits whose slots were freed, oldest first."""
         ...
 
     async def waiting(self, runs: Sequence[RunKey] | None = None) -> list[Waiting]:
@@ -202,7 +203,7 @@ class InMemoryLimitStore:
             if isinstance(check.bound, int):
                 self.slots[(check.bucket, run)] = (check.kind, lease_until)
             elif check.use is not None:
-                self.uses.setdefault((check.bucket, check.use), (check.kind, now, 1))
+                self.uses.setdefault((check.bucket, check.use), (check.kind, now, check.amount))
         self.waits.pop(run, None)
         return None
 
@@ -225,11 +226,6 @@ class InMemoryLimitStore:
             run, check.limit, check.kind, str(check.bound), since, refusal.next_at
         )
 
-    async def give_back(self, run: RunKey, uses: Sequence[str]) -> list[RunKey]:
-        for key in [key for key in self.uses if key[1] in uses]:
-            del self.uses[key]
-        return await self.release(run)
-
     async def release(self, run: RunKey, *, kinds: Sequence[LimitKind] = ()) -> list[RunKey]:
         freed = {
             bucket
@@ -244,15 +240,20 @@ class InMemoryLimitStore:
         found = [wait for wait in self.waits.values() if wait.limit in limits]
         return [wait.run for wait in sorted(found, key=lambda wait: (wait.since, wait.run))]
 
-    async def renew(self, run: RunKey, *, lease_until: datetime) -> None:
+    async def renew(
+        self, run: RunKey, *, lease_until: datetime, kinds: Sequence[LimitKind] = ()
+    ) -> None:
         for key, (kind, _) in list(self.slots.items()):
-            if key[1] == run:
+            if key[1] == run and (not kinds or kind in kinds):
                 self.slots[key] = (kind, lease_until)
 
-    async def record(
-        self, bucket: str, kind: LimitKind, use: str, amount: int, at: datetime
-    ) -> None:
-        self.uses.setdefault((bucket, use), (kind, at, amount))
+    async def turn_ended(
+        self, run: RunKey, turn_id: str, tokens: int, at: datetime
+    ) -> list[RunKey]:
+        for (bucket, use), (kind, _, _) in list(self.uses.items()):
+            if use == str(run) and kind == "tokens_per":
+                self.uses.setdefault((bucket, f"turn:{turn_id}"), (kind, at, tokens))
+        return await self.release(run, kinds=("turns_in_flight",))
 
     async def waiting(self, runs: Sequence[RunKey] | None = None) -> list[Waiting]:
         found = [wait for wait in self.waits.values() if runs is None or wait.run in runs]
@@ -373,7 +374,11 @@ class SqlLimitStore(SqlStore):
                     await connection.execute(
                         self._insert(uses_table)
                         .values(
-                            bucket=check.bucket, use=check.use, kind=check.kind, at=now, amount=1
+                            bucket=check.bucket,
+                            use=check.use,
+                            kind=check.kind,
+                            at=now,
+                            amount=check.amount,
                         )
                         .on_conflict_do_nothing(index_elements=["bucket", "use"])
                     )
@@ -450,12 +455,6 @@ class SqlLimitStore(SqlStore):
             )
         )
 
-    async def give_back(self, run: RunKey, uses: Sequence[str]) -> list[RunKey]:
-        if uses:
-            async with self._transaction() as connection:
-                await connection.execute(delete(uses_table).where(uses_table.c.use.in_(uses)))
-        return await self.release(run)
-
     async def release(self, run: RunKey, *, kinds: Sequence[LimitKind] = ()) -> list[RunKey]:
         slots = slots_table.c
         where = [slots.holder == str(run)]
@@ -476,23 +475,42 @@ class SqlLimitStore(SqlStore):
             )
             return [RunKey(*row) for row in rows.all()]
 
-    async def renew(self, run: RunKey, *, lease_until: datetime) -> None:
+    async def renew(
+        self, run: RunKey, *, lease_until: datetime, kinds: Sequence[LimitKind] = ()
+    ) -> None:
+        where = [slots_table.c.holder == str(run)]
+        if kinds:
+            where.append(slots_table.c.kind.in_(kinds))
         async with self._transaction() as connection:
             await connection.execute(
-                update(slots_table)
-                .where(slots_table.c.holder == str(run))
-                .values(expires_at=lease_until)
+                update(slots_table).where(*where).values(expires_at=lease_until)
             )
 
-    async def record(
-        self, bucket: str, kind: LimitKind, use: str, amount: int, at: datetime
-    ) -> None:
+    async def turn_ended(
+        self, run: RunKey, turn_id: str, tokens: int, at: datetime
+    ) -> list[RunKey]:
+        uses = uses_table.c
         async with self._transaction() as connection:
-            await connection.execute(
-                self._insert(uses_table)
-                .values(bucket=bucket, use=use, kind=kind, at=at, amount=amount)
-                .on_conflict_do_nothing(index_elements=["bucket", "use"])
+            buckets = await connection.execute(
+                select(uses.bucket).where(uses.use == str(run), uses.kind == "tokens_per")
             )
+            rows = [
+                {
+                    "bucket": bucket,
+                    "use": f"turn:{turn_id}",
+                    "kind": "tokens_per",
+                    "at": at,
+                    "amount": tokens,
+                }
+                for (bucket,) in buckets.all()
+            ]
+            if rows:
+                await connection.execute(
+                    self._insert(uses_table)
+                    .values(rows)
+                    .on_conflict_do_nothing(index_elements=["bucket", "use"])
+                )
+        return await self.release(run, kinds=("turns_in_flight",))
 
     async def waiting(self, runs: Sequence[RunKey] | None = None) -> list[Waiting]:
         waits = waits_table.c
