@@ -16,7 +16,6 @@ from artifactr.agent import ArtifactWorkspace, Session, function_model
 from pydantic_ai import Agent, ModelResponse, TextPart
 from pydantic_ai.messages import ModelMessage
 from pydantic_ai.models.function import AgentInfo
-from pydantic_ai.usage import RequestUsage
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
 from relayr.runtime.application import Application, open_storage
@@ -56,17 +55,15 @@ TURN_S: Final = 0.5
 """How long a turn of the slow agent takes: long enough that turns overlap when nothing bounds
 them (two workers, many incidents), which the count of turns in flight then shows."""
 
-USAGE: Final = RequestUsage(input_tokens=100, output_tokens=50)
-"""What the slow agent's model reports for each request: each turn makes one."""
-
 
 def slow_agent() -> Agent[Session[None], str]:
-    """An offline agent whose every turn takes :data:`TURN_S` and reports :data:`USAGE`."""
+    """An offline agent whose every turn takes :data:`TURN_S` (its usage is pydantic-ai's
+    estimate for a streamed offline model: the same for every incident's turn)."""
     from rules.example.agent import REPLY, TriageNote
 
     async def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
         await asyncio.sleep(TURN_S)
-        return ModelResponse(parts=[TextPart(REPLY)], usage=USAGE)
+        return ModelResponse(parts=[TextPart(REPLY)])
 
     return Agent(
         function_model(respond),

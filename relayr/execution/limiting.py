@@ -13,7 +13,7 @@ Nothing here runs for an application whose allowlist has no limit.
 """
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Final
@@ -24,15 +24,11 @@ from reflexr.workspace import WorkspaceRef, Workspaces
 
 from relayr.core.allowlist import Allowlists
 from relayr.core.limits import TURN_KINDS, Limit, LimitKind, Rate
-from relayr.core.run_messages import RunBatch
 from relayr.ledger.limits import Check, LimitStore, Refusal, RunKey
 from relayr.observe import metrics
 from relayr.runtime.process import Runtime
 from relayr.runtime.transient import retried
-from relayr.runtime.waking import make_due
-
-type Requeue = Callable[[RunBatch], Awaitable[None]]
-"""Hands woken runs to the queue at once (a worker's), instead of the dispatcher's next pass."""
+from relayr.runtime.waking import Requeue, make_due, queue_woken
 
 logger = structlog.get_logger("relayr.limits")
 
@@ -170,18 +166,7 @@ class Limiter:
 
     async def wake(self, runs: Sequence[RunKey]) -> None:
         """Make waiting runs due now (reflexr's ``retry``), oldest first, and queue them."""
-        by_workspace: dict[tuple[str, str], list[str]] = {}
-        for key in await make_due(self.rules, self.store, runs):
-            by_workspace.setdefault((key.tenant_id, key.workspace_id), []).append(key.run_id)
-        if self.requeue is None:
-            return
-        for (tenant_id, workspace_id), run_ids in by_workspace.items():
-            try:
-                await self.requeue(
-                    RunBatch(tenant_id=tenant_id, workspace_id=workspace_id, run_ids=tuple(run_ids))
-                )
-            except Exception:  # they are due in the store: the dispatcher finds them
-                logger.warning("queueing woken runs failed", run_ids=run_ids, exc_info=True)
+        await queue_woken(self.requeue, await make_due(self.rules, self.store, runs))
 
 
 def checks_for(allowlists: Allowlists, ref: WorkspaceRef, run: Run) -> list[Check]:

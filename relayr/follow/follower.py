@@ -61,7 +61,7 @@ from relayr.ledger.port import Ledger, WorkspaceKey
 from relayr.observe import telemetry
 from relayr.runtime.application import Application
 from relayr.runtime.transient import retried
-from relayr.runtime.waking import make_due
+from relayr.runtime.waking import Requeue, make_due, queue_woken
 
 if TYPE_CHECKING:
     from relayr.runtime.process import Runtime
@@ -114,6 +114,8 @@ class Followers:
         inbound: The application's inbound side: workspaces, projections, hook.
         limits: The operators' limits' counts: a turn that ends gives back its slot and counts
             its tokens (:meth:`relayr.ledger.limits.LimitStore.turn_ended`).
+        requeue: Queues the runs a turn's end lets go, at once (else the dispatcher finds them
+            due).
         clock: The wall clock leases are stamped with.
         monotonic: The clock renewals and the workspace list are timed on.
     """
@@ -129,10 +131,12 @@ class Followers:
         lease_ttl_s: float,
         inbound: Inbound | None = None,
         limits: LimitStore | None = None,
+        requeue: Requeue | None = None,
         clock: Callable[[], datetime] = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._limits = limits
+        self._requeue = requeue
         self._artifacts = artifacts
         self._rules = rules
         self.store: Final = store
@@ -157,6 +161,7 @@ class Followers:
         lease_ttl_s: float,
         store: FollowStore | None = None,
         limits: LimitStore | None = None,
+        requeue: Requeue | None = None,
     ) -> Self:
         """The followers of an application.
 
@@ -175,6 +180,7 @@ class Followers:
             lease_ttl_s=lease_ttl_s,
             inbound=application.inbound,
             limits=limits,
+            requeue=requeue,
         )
 
     async def follow_all(self) -> Followed:
@@ -308,8 +314,10 @@ class Followers:
             now = self._rules.clock()
             ended = partial(limits.turn_ended, run, end.turn_id, end.tokens, now)
             woken.extend(await retried(ended))
-        if woken:
-            await make_due(self._rules, limits, list(dict.fromkeys(woken)))
+        if not woken:
+            return
+        due = await make_due(self._rules, limits, list(dict.fromkeys(woken)))
+        await queue_woken(self._requeue, due)
 
     async def serve(self, interval_s: float, stop: asyncio.Event) -> None:
         """Follow every workspace every ``interval_s`` until ``stop`` is set, then release the
@@ -460,4 +468,5 @@ def followers_of(runtime: "Runtime") -> "Followers":
         holder=runtime.holder,
         lease_ttl_s=runtime.settings.lease_ttl_s,
         limits=runtime.bridge.limits,
+        requeue=runtime.requeue,
     )

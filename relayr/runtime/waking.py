@@ -7,14 +7,18 @@ operator's operation that keeps its attempts and records ``reflexr:run_requeued`
 hands runs out then finds it due, as any other.
 """
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
+import structlog
 from reflexr.core import WAITING, new_event_id, retry
 from reflexr.workspace import REACTOR, Entry, WorkspaceRef, Workspaces
 
+from relayr.core.run_messages import MAX_BATCH_RUNS, RunBatch
 from relayr.ledger.limits import LimitStore, RunKey
 from relayr.runtime.transient import retried
+
+logger = structlog.get_logger("relayr.limits")
 
 
 async def make_due(rules: Workspaces, store: LimitStore, runs: Sequence[RunKey]) -> list[RunKey]:
@@ -48,3 +52,26 @@ async def _due_now(rules: Workspaces, key: RunKey) -> bool:
         )
         await tx.append([entry])
         return True
+
+
+type Requeue = Callable[[RunBatch], Awaitable[None]]
+"""Hands runs to the queue at once, as the dispatcher does."""
+
+
+async def queue_woken(requeue: Requeue | None, runs: Sequence[RunKey]) -> None:
+    """Queue runs made due, a message per workspace of at most ``MAX_BATCH_RUNS``; a failure
+    is logged (they are due in the store: whoever hands runs out finds them)."""
+    if requeue is None:
+        return
+    by_workspace: dict[tuple[str, str], list[str]] = {}
+    for run in runs:
+        by_workspace.setdefault((run.tenant_id, run.workspace_id), []).append(run.run_id)
+    for (tenant_id, workspace_id), run_ids in by_workspace.items():
+        for start in range(0, len(run_ids), MAX_BATCH_RUNS):
+            chunk = tuple(run_ids[start : start + MAX_BATCH_RUNS])
+            try:
+                await requeue(
+                    RunBatch(tenant_id=tenant_id, workspace_id=workspace_id, run_ids=chunk)
+                )
+            except Exception:
+                logger.warning("queueing woken runs failed", run_ids=list(chunk), exc_info=True)
