@@ -10,15 +10,20 @@ import asyncio
 import os
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from artifactr.agent import ArtifactWorkspace, Session, function_model
 from pydantic_ai import Agent, ModelResponse, TextPart
 from pydantic_ai.messages import ModelMessage
 from pydantic_ai.models.function import AgentInfo
+from reflexr import Rule
+from reflexr.workspace import Reaction
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
+from relayr.execution.actions import acting
+from relayr.follow.events import MessagePosted
 from relayr.runtime.application import Application, open_storage
+from relayr.runtime.bridge import Bridge
 from relayr.settings import Settings
 
 CLOCK_FILE: Final = "clock"
@@ -84,7 +89,40 @@ async def create_slow_clocked_app(settings: Settings) -> Application:
     return await _clocked(settings, slow_agent())
 
 
-async def _clocked(settings: Settings, agent: Agent[Session[None], str]) -> Application:
+LOOP_RULE_NAME: Final = "loop:answer"
+
+
+async def answer_again(reaction: Reaction[Bridge]) -> dict[str, str]:
+    """Answer the agent's reply in its thread with a message to the agent: a rule<->agent
+    loop, stopped by nothing but reflexr's depth limit or an operator's chain breaker."""
+    reply = reaction.events[-1].event
+    assert isinstance(reply, MessagePosted)
+    message_id = await acting(reaction).send("and then?", thread_id=reply.thread_id)
+    return {"message_id": message_id}
+
+
+async def create_looping_app(settings: Settings) -> Application:
+    """The clocked example with :func:`answer_again` answering every reply of the agent."""
+    from reflexr import F, Rule, on, run
+
+    loop = Rule(
+        name=LOOP_RULE_NAME,
+        when=on(MessagePosted).where(F.author.matches(r"^agent:"), F.kind.eq("message")),
+        then=run("answer_again"),
+        ordering="none",
+        start="beginning",
+    )
+    from rules.example.agent import triage_agent
+
+    return await _clocked(settings, triage_agent(), (loop,), {"answer_again": answer_again})
+
+
+async def _clocked(
+    settings: Settings,
+    agent: Agent[Session[None], str],
+    more_rules: tuple[Rule, ...] = (),
+    more_actions: dict[str, Any] | None = None,
+) -> Application:
     from relayr.follow.events import BRIDGED_EVENTS, PUBLISHERS
     from rules.example import artifact_workspaces
     from rules.example.actions import ACTIONS
@@ -97,13 +135,13 @@ async def _clocked(settings: Settings, agent: Agent[Session[None], str]) -> Appl
         storage.rules,
         events=[*EVENTS, *BRIDGED_EVENTS],
         publishers=PUBLISHERS,
-        rules=list(RULES),
+        rules=[*RULES, *more_rules],
         clock=clock,
     )
     return Application(
         artifacts=artifact_workspaces(storage.artifacts),
         rules=rules,
-        actions=ACTIONS,
+        actions={**ACTIONS, **(more_actions or {})},
         agent=agent,
         engines=storage.engines,
     )

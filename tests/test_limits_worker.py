@@ -36,7 +36,7 @@ from relayr.ledger.limits import SqlLimitStore
 from relayr.runtime.application import Application
 from relayr.settings import Settings
 from rules.example.events import IncidentOpened
-from tests.limits_app import create_clocked_app, set_clock
+from tests.limits_app import create_clocked_app, create_looping_app, set_clock
 from tests.services import forgetting_redis_queue
 from tests.workers import REPO, RelayrProcess, relayr_environment, running_dispatcher, start_worker
 
@@ -401,3 +401,80 @@ def test_turns_in_flight_on_redis_and_postgres(
 
 def test_tokens_per_embedded(tmp_path: Path) -> None:
     asyncio.run(tokens_scenario(slow_environment(tmp_path, TOKENS)))
+
+
+CHAIN = """
+[rules."ops:incident-triage"]
+turns = true
+
+[rules."loop:answer"]
+turns = true
+
+[limits.chains]
+rules = ["*"]
+chain_runs_per = "3/1h"
+"""
+
+
+async def chain_scenario(environment: dict[str, str]) -> None:
+    settings = Settings.from_env(environment)
+    application = await create_looping_app(settings)
+    world = World(application, 1)
+    store = SqlLimitStore(application.engines[0])
+    workers: list[RelayrProcess] = []
+
+    async def notices() -> list[str]:
+        return [
+            event.content
+            for event in await world.log()
+            if isinstance(event, MessagePosted)
+            and event.kind == "notice"
+            and event.content.startswith("relayr stopped this chain")
+        ]
+
+    async def refusals(run_id: str) -> int:
+        logs = "".join(worker.log() for worker in workers)
+        return sum(
+            1
+            for line in logs.splitlines()
+            if '"run waits: a limit holds it back"' in line and run_id in line
+        )
+
+    try:
+        await world.publish_incidents(1)
+        workers = [await asyncio.to_thread(start_worker, environment, settings.home)]
+        with running_dispatcher(environment, settings.home) as dispatcher:
+
+            async def stopped() -> bool:
+                waits = await store.waiting()
+                return len(waits) == 1 and len(await notices()) == 1
+
+            await until("the chain to be stopped", stopped, *workers, dispatcher)
+            [wait] = await store.waiting()
+            assert wait.kind == "chain_runs_per"
+            source = await application.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="t"))
+            runs = await source.runs(limit=100)
+            assert sorted(run.status for run in runs) == ["pending", *["succeeded"] * 3]
+            assert {run.correlation_id for run in runs} == {runs[0].correlation_id}
+            [notice] = await notices()
+            assert f"relayr runs cancel {wait.run.run_id}" in notice
+
+            # an operator's retry makes it due now: refused again, and no second notice
+            await asyncio.to_thread(relayr, environment, "runs", "retry", wait.run.run_id)
+
+            async def refused_again() -> bool:
+                return await refusals(wait.run.run_id) >= 2 and len(await store.waiting()) == 1
+
+            await until("the retried run to be refused again", refused_again, *workers)
+            assert len(await notices()) == 1
+            assert (await source.run(wait.run.run_id)).attempts == 0
+    finally:
+        for worker in workers:
+            await asyncio.to_thread(worker.stop)
+        await application.aclose()
+
+
+def test_a_chain_breaker_stops_a_rule_agent_loop_with_one_notice(tmp_path: Path) -> None:
+    environment = slow_environment(tmp_path, CHAIN)
+    environment["RELAYR_APP"] = "tests.limits_app:create_looping_app"
+    asyncio.run(chain_scenario(environment))

@@ -19,13 +19,18 @@ from datetime import datetime, timedelta
 from typing import Final
 
 import structlog
+from artifactr import ExternalAgentActor
+from artifactr.core import InvalidState
 from reflexr.core import WAITING, Run
 from reflexr.workspace import WorkspaceRef, Workspaces
 
 from relayr.core.allowlist import Allowlists
+from relayr.core.ids import derive_id
 from relayr.core.limits import TURN_KINDS, Limit, LimitKind, Rate
 from relayr.ledger.limits import Check, LimitStore, Refusal, RunKey
+from relayr.ledger.port import Cause, WorkspaceKey
 from relayr.observe import metrics
+from relayr.runtime.bridge import Bridge
 from relayr.runtime.process import Runtime
 from relayr.runtime.transient import retried
 from relayr.runtime.waking import Requeue, make_due, queue_woken
@@ -63,6 +68,8 @@ class Limiter:
     allowlists: Callable[[], Allowlists]
     lease_ttl: timedelta
     requeue: Requeue | None = None
+    bridge: Bridge | None = None
+    """Where a chain's notice is posted (a worker's bridge); None: no notice."""
     _hit_at: dict[str, datetime] = field(default_factory=dict)
 
     def active(self) -> bool:
@@ -104,7 +111,25 @@ class Limiter:
             return None
         await self._defer(ref, run.id, refusal, now)
         self._hit(run, refusal, now)
+        if refusal.check.kind == "chain_runs_per":
+            await self._chain_notice(ref, run, refusal)
         return refusal.describe()
+
+    async def _chain_notice(self, ref: WorkspaceRef, run: Run, refusal: Refusal) -> None:
+        """Say once, in the thread of the event that made the run's rule fire, that its chain
+        was stopped and why: the notice's id is derived from the chain and the limit, so a
+        second refusal finds it posted. A notice that cannot be posted is logged, nothing more:
+        the run waits all the same."""
+        if self.bridge is None or not run.matched:
+            return
+        try:
+            fired = await self.rules.storage.read(ref, after_seq=run.matched[-1] - 1, limit=1)
+            thread_id = fired[0].data.get("thread_id") if fired else None
+            if not isinstance(thread_id, str) or not thread_id:
+                return
+            await post_chain_notice(self.bridge, ref, run, refusal, thread_id)
+        except Exception:
+            logger.warning("the chain's notice could not be posted", run_id=run.id, exc_info=True)
 
     async def _defer(self, ref: WorkspaceRef, run_id: str, refusal: Refusal, now: datetime) -> None:
         """Move the waiting run's due time: a window's next opening, else a lease away (the
@@ -167,6 +192,51 @@ class Limiter:
     async def wake(self, runs: Sequence[RunKey]) -> None:
         """Make waiting runs due now (reflexr's ``retry``), oldest first, and queue them."""
         await queue_woken(self.requeue, await make_due(self.rules, self.store, runs))
+
+
+async def post_chain_notice(
+    bridge: Bridge, ref: WorkspaceRef, run: Run, refusal: Refusal, thread_id: str
+) -> bool:
+    """Post the chain breaker's notice as the run's rule; False if it was posted already.
+
+    Its cause is recorded first, as for every write of a rule (the run's chain), so the
+    followers bridge it like the rule's own notices.
+    """
+    check = refusal.check
+    message_id = derive_id(
+        "msg",
+        run_id=f"chain:{run.correlation_id}",
+        segment=0,
+        operation="chain_stopped",
+        subject=(check.limit, thread_id),
+        ordinal=0,
+    )
+    when = (
+        "" if refusal.next_at is None else f" Its next run waits until {refusal.next_at:%H:%M:%S}."
+    )
+    content = (
+        f"relayr stopped this chain: it reached the chain_runs_per {check.bound} of "
+        f"limits.{check.limit} (runs one chain may start per window).{when} An operator may "
+        f"cancel the waiting run: relayr runs cancel {run.id}"
+    )
+    workspace = WorkspaceKey(ref.tenant_id, ref.workspace_id)
+    cause = Cause(run.correlation_id, run.id, run.id, run.depth)
+    await bridge.ledger.record_cause(workspace, "message", message_id, cause)
+    actor = ExternalAgentActor(client_id=f"reflexr:{run.rule}", name=run.rule)
+    handle = await bridge.artifacts.open(ref.tenant_id, ref.workspace_id, actor=actor)
+    try:
+        await handle.post_message(thread_id, content, message_id=message_id, kind="notice")
+    except InvalidState:
+        return False
+    logger.warning(
+        "chain stopped: notice posted",
+        limit=f"limits.{check.limit}",
+        correlation_id=run.correlation_id,
+        run_id=run.id,
+        thread_id=thread_id,
+        message_id=message_id,
+    )
+    return True
 
 
 def checks_for(allowlists: Allowlists, ref: WorkspaceRef, run: Run) -> list[Check]:

@@ -99,6 +99,7 @@ class Batch:
             runtime.bridge.allowlists,
             self.ttl,
             runtime.requeue,
+            runtime.bridge,
         )
         self.bound: set[str] = set()
         """Runs admitted under a limit: they hold its slots until their attempt is done."""
