@@ -5,9 +5,10 @@ Two ``celery worker`` processes and ``relayr dispatch`` run the example's incide
 has a thread of its own, so each triage message starts one agent turn. The test moves the clock
 a minute at a time, only once every run is settled (done, or waiting for a time after the
 clock), and counts the turns each minute started (artifactr's ``run_started``): never more than
-ten; at the end every incident got its turn, and no message was sent twice. One worker is
-SIGKILLed while a minute's runs go. Embedded default (filesystem broker, SQLite), and Redis
-with PostgreSQL.
+ten; at the end every incident's thread had its turn, and no message was sent twice. One worker
+is SIGKILLed while a minute's runs go, and started again (a turn it ran when killed stays
+running in artifactr: it is counted as started). Embedded default (filesystem broker, SQLite),
+and Redis with PostgreSQL.
 
 With a slow agent (tests/limits_app.py: each turn takes half a second and reports fixed usage)
 and the dispatcher following artifactr, so a turn's end frees what it held: ``turns_in_flight``
@@ -125,11 +126,14 @@ class World:
         runs = await source.runs(limit=10 * self.incidents)
         return sum(run.status == "succeeded" for run in runs)
 
-    async def log(self) -> list[Any]:
+    async def envelopes(self) -> list[Any]:
         threads = await self.application.artifacts.open(
             TENANT, WORKSPACE, actor=UserActor(id="alice")
         )
-        return [envelope.event for envelope in await threads.read()]
+        return list(await threads.read())
+
+    async def log(self) -> list[Any]:
+        return [envelope.event for envelope in await self.envelopes()]
 
     async def turns(self) -> tuple[int, int]:
         events = await self.log()
@@ -203,7 +207,12 @@ async def scenario(environment: dict[str, str]) -> None:
 
                     await until("a turn of the minute", some_started, *alive, dispatcher)
                     workers[1].kill()
-                    alive = [workers[0]]
+                    # started again, as `relayr run` or a process manager would: it takes the
+                    # turns the killed worker was asked for and never started
+                    workers.append(
+                        await asyncio.to_thread(start_worker, environment, home, concurrency=1)
+                    )
+                    alive = [workers[0], workers[2]]
 
                 async def settled_and_taken() -> bool:
                     if not await world.settled():
@@ -223,20 +232,19 @@ async def scenario(environment: dict[str, str]) -> None:
                 now += timedelta(minutes=1)
                 set_clock(home, now)
 
-            async def every_turn_ended() -> bool:
-                started, ended = await world.turns()
-                return ended == started == INCIDENTS
-
-            await until("every turn to end", every_turn_ended, *alive, dispatcher)
             print("turns started by minute:", started_by_minute)
             assert max(started_by_minute) <= PER_MINUTE, started_by_minute
             assert sum(started_by_minute) == INCIDENTS
+            envelopes = await world.envelopes()
+            turned = Counter(e.thread_id for e in envelopes if isinstance(e.event, RunStarted))
+            assert len(turned) == INCIDENTS  # every incident's thread had its turn
+            assert set(turned.values()) == {1}
             sent = Counter(
-                event.message_id
-                for event in await world.log()
-                if isinstance(event, MessagePosted) and event.kind == "message"
+                e.thread_id
+                for e in envelopes
+                if isinstance(e.event, MessagePosted) and e.actor.participant == RULE_AUTHOR
             )
-            assert len(sent) == 2 * INCIDENTS  # a triage message and a reply in each thread
+            assert len(sent) == INCIDENTS  # one triage message in each thread, none twice
             assert set(sent.values()) == {1}
             logs = "".join(worker.log() for worker in workers)
             assert '"limit hit: runs wait"' in logs

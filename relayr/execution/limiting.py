@@ -107,7 +107,8 @@ class Limiter:
             lambda: self.store.admit(key, checks, now=now, lease_until=now + self.lease_ttl)
         )
         if refusal is None:
-            admitted.bound.add(run.id)
+            if any(isinstance(check.bound, int) for check in checks):
+                admitted.bound.add(run.id)  # it holds slots until its attempt is done
             return None
         await self._defer(ref, run.id, refusal, now)
         self._hit(run, refusal, now)
