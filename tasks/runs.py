@@ -36,7 +36,8 @@ from relayr.core.errors import InvalidTask
 from relayr.core.run_messages import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunBatch
 from relayr.execution import executor, limiting
 from relayr.execution.executor import Executed
-from relayr.observe import metrics
+from relayr.observe import hooks
+from relayr.observe.hooks import MessageRedelivered, RunsEnqueued
 from relayr.runtime.process import Runtime
 from tasks.worker import process
 
@@ -192,7 +193,7 @@ def send_runs(app: Any, queue: str, batch: RunBatch) -> None:
     app.send_task(
         TASK_NAME, args=(batch.tenant_id, batch.workspace_id, list(batch.run_ids)), queue=queue
     )
-    metrics.record_enqueued(len(batch.run_ids))
+    hooks.emit(RunsEnqueued(len(batch.run_ids)))
 
 
 def send_run(app: Any, queue: str, ids: RunIds) -> None:
@@ -207,7 +208,7 @@ def _execute(self: Any, batch: RunBatch) -> list[str]:
     settings = process.settings
     assert settings is not None, "tasks.app.create_celery configures the process"
     if request.retries or (request.delivery_info or {}).get("redelivered"):
-        metrics.record_redelivery()
+        hooks.emit(MessageRedelivered())
     with structlog.contextvars.bound_contextvars(
         tenant=batch.tenant_id,
         workspace=batch.workspace_id,

@@ -40,7 +40,8 @@ from celery import signals
 from celery.exceptions import Reject
 
 from relayr.core.errors import InvalidTask
-from relayr.observe import metrics
+from relayr.observe import hooks
+from relayr.observe.hooks import TurnsDrained
 from relayr.observe.logging import configure_logging
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -192,7 +193,7 @@ class PoolProcess:
                 except Exception:
                     logger.exception("closing the worker runtime failed")
                 # the loop is idle now: reading the turns' tasks from this thread is safe
-                metrics.record_turns_drained(sum(not turn.task.cancelled() for turn in turns))
+                hooks.emit(TurnsDrained(sum(not turn.task.cancelled() for turn in turns)))
         loop.stop()
         logger.info("worker process stopped", pid=os.getpid())
 

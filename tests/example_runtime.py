@@ -2,8 +2,8 @@
 tests drive it: the settings they start it with, and :class:`Example`, which publishes events,
 runs the dispatcher's pass, executes the runs it enqueued and reads the threads back.
 
-Used by tests/test_runtime_lifecycle.py, tests/test_storage_opening.py,
-tests/test_example_application.py and tests/test_worker_turns.py.
+Used by tests/runtime/test_runtime_lifecycle.py, tests/runtime/test_storage_opening.py,
+tests/project/test_example_application.py and tests/execution/test_worker_turns.py.
 """
 
 from pathlib import Path

@@ -3,8 +3,8 @@ followers and a dispatcher, and the loop that settles it in one process.
 
 :meth:`World.settle` drives the whole loop as the dispatcher and a worker would: follow every
 workspace, evaluate the rules and hand due runs to the executor, let the agent's turns end, and
-again, until nothing moves. Tests then check what the stores hold (tests/test_follow.py,
-tests/test_follow_chains.py).
+again, until nothing moves. Tests then check what the stores hold (tests/follow/test_follow.py,
+tests/follow/test_follow_chains.py).
 """
 
 import asyncio

@@ -44,7 +44,8 @@ from relayr.core.ids import digest
 from relayr.core.routing import PostOperation, Route, content_refusal, may_create_thread, route
 from relayr.execution.artifact_changes import ArtifactChanges
 from relayr.ledger.port import LedgerWrites
-from relayr.observe import metrics, telemetry
+from relayr.observe import hooks, telemetry
+from relayr.observe.hooks import WriteRefused
 from relayr.runtime.bridge import Bridge
 
 
@@ -75,7 +76,7 @@ def acting(reaction: Reaction[Any]) -> "RunActions":
     actions = _acting.get(reaction)
     if actions is None:
         if not isinstance(reaction.deps, Bridge):
-            metrics.record_refusal(reasons.MISSING_RUN_CONTEXT)
+            hooks.emit(WriteRefused(reasons.MISSING_RUN_CONTEXT))
             raise MissingRunContext(
                 f"run {reaction.run_id} is not executed by relayr: its deps are not a Bridge"
             )

@@ -64,7 +64,8 @@ from relayr.execution.outcomes import (
     missing,
 )
 from relayr.execution.tries import Tries
-from relayr.observe import metrics
+from relayr.observe import hooks
+from relayr.observe.hooks import RunClaimed
 
 type _Fact = RunStarted | RunSucceeded | RunRetrying | RunDeadLettered | RunCancelled
 
@@ -238,7 +239,7 @@ def _lagged(claims: Iterable[Claimed | Executed]) -> None:
     for claimed in claims:
         if isinstance(claimed, Claimed):
             run = claimed.run  # started at updated_at; starting leaves next_attempt_at
-            metrics.record_dispatch_lag((run.updated_at - run.next_attempt_at).total_seconds())
+            hooks.emit(RunClaimed((run.updated_at - run.next_attempt_at).total_seconds()))
 
 
 async def fail_for_good(

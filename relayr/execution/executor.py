@@ -49,7 +49,8 @@ from relayr.execution.attempts import NothingThere
 from relayr.execution.outcomes import Executed, RunOutcome
 from relayr.execution.runs import Batch
 from relayr.execution.tries import Tries
-from relayr.observe import metrics, telemetry
+from relayr.observe import hooks, telemetry
+from relayr.observe.hooks import RunEnded
 from relayr.runtime.process import Runtime
 from relayr.runtime.transient import is_transient, retried
 
@@ -110,7 +111,7 @@ async def fail_run(
         )
     except NothingThere:
         executed = outcomes.missing(ref, run_id)
-    metrics.record_run(None if executed.run is None else executed.run.rule, executed.outcome)
+    hooks.emit(RunEnded(None if executed.run is None else executed.run.rule, executed.outcome))
     logger.warning(
         "run failed by its executor",
         run_id=run_id,

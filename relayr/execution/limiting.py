@@ -29,7 +29,7 @@ from relayr.core.ids import derive_id
 from relayr.core.limits import TURN_KINDS, Limit, LimitKind, Rate
 from relayr.ledger.limits import Check, LimitStore, Refusal, RunKey
 from relayr.ledger.port import Cause, WorkspaceKey
-from relayr.observe import metrics
+from relayr.observe import hooks
 from relayr.runtime.bridge import Bridge
 from relayr.runtime.process import Runtime
 from relayr.runtime.transient import retried
@@ -149,7 +149,7 @@ class Limiter:
 
     def _hit(self, run: Run, refusal: Refusal, now: datetime) -> None:
         check = refusal.check
-        metrics.record_limited(run.rule, f"{check.limit}/{check.kind}")
+        hooks.emit(hooks.RunLimited(run.rule, f"{check.limit}/{check.kind}"))
         last = self._hit_at.get(check.bucket)
         if last is None or now - last >= FIRST_HIT_WINDOW:
             self._hit_at[check.bucket] = now

@@ -31,7 +31,8 @@ from relayr.execution.limiting import Limiter
 from relayr.execution.outcomes import Claimed, Completion, Ended, Executed, Finished
 from relayr.execution.tries import Tries
 from relayr.ledger.port import LedgerWrites
-from relayr.observe import metrics, telemetry
+from relayr.observe import hooks, telemetry
+from relayr.observe.hooks import RunEnded
 from relayr.runtime.process import Runtime
 from relayr.runtime.transient import retried
 
@@ -401,7 +402,7 @@ class Batch:
         if executed.outcome == "succeeded":
             self.succeeded.add(run_id)
         run = executed.run
-        metrics.record_run(None if run is None else run.rule, executed.outcome, seconds)
+        hooks.emit(RunEnded(None if run is None else run.rule, executed.outcome, seconds))
 
 
 def _sent(reaction: Reaction[Any] | None) -> bool:

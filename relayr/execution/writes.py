@@ -32,7 +32,8 @@ from relayr.core import reasons
 from relayr.core.emissions import POLICY_OF_KIND, EmissionKind, EmissionOutcome, EmissionRecord
 from relayr.core.refusals import Refusal, classify, storage_failure
 from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind
-from relayr.observe import metrics, telemetry
+from relayr.observe import hooks
+from relayr.observe.hooks import EmissionMade, WriteRefused
 from relayr.runtime.bridge import Bridge
 from relayr.runtime.transient import is_storage_error, retried
 
@@ -105,7 +106,7 @@ class Writes:
         entity = refused.entity if isinstance(refused, NotFound) else None
         refusal = classify(code, refused.message, doing=doing, entity=entity)
         if refusal.permanent:
-            metrics.record_refusal(refusal.reason)
+            hooks.emit(WriteRefused(refusal.reason))
         self._log.warning(
             "write refused by artifactr",
             doing=doing,
@@ -123,7 +124,7 @@ class Writes:
             detail=refusal.message,
             **where,
         )
-        metrics.record_refusal(refusal.reason)
+        hooks.emit(WriteRefused(refusal.reason))
         return failure(refusal)
 
     async def commit(
@@ -264,15 +265,7 @@ class Writes:
 
     def emitted(self, record: EmissionRecord, *, turn: str | None = None) -> None:
         """Count and log one emission, and say what it did on the write's span."""
-        metrics.record_emission(record.kind, record.outcome)
-        telemetry.annotate(
-            {
-                telemetry.OUTCOME: record.outcome,
-                telemetry.EMISSION_KIND: record.kind,
-                telemetry.POLICY: record.policy,
-                telemetry.TURN_ID: turn,
-            }
-        )
+        hooks.emit(EmissionMade(record.kind, record.outcome, record.policy, turn))
         self._log.info(
             "emission",
             kind=record.kind,

@@ -18,7 +18,8 @@ from artifactr.agent import RunHandle, Runner
 from relayr.core.allowlist import Allowlists
 from relayr.ledger.limits import InMemoryLimitStore, LimitStore
 from relayr.ledger.port import Ledger
-from relayr.observe import metrics
+from relayr.observe import hooks
+from relayr.observe.hooks import TurnStarted
 from relayr.runtime.transient import BACKOFF_S, TRIES, is_transient, retried
 
 type Ask = Callable[[], Awaitable[RunHandle | None]]
@@ -54,7 +55,7 @@ class StartedTurns:
     def _track(self, handle: RunHandle | None, again: Ask | None, tries: int) -> None:
         if handle is None or handle in self.handles:
             return
-        metrics.record_turn_started()
+        hooks.emit(TurnStarted())
         self.handles.add(handle)
 
         def ended(task: "asyncio.Task[Any]") -> None:

@@ -36,6 +36,7 @@ from relayr.core.allowlist import Allowlists
 from relayr.core.run_messages import RunBatch
 from relayr.ledger import InMemoryLedger, Ledger, SqlLedger
 from relayr.ledger.limits import InMemoryLimitStore, LimitStore, SqlLimitStore
+from relayr.observe import observers
 from relayr.runtime.allowlist_file import AllowlistFile
 from relayr.runtime.application import Application, load_application
 from relayr.runtime.bridge import Bridge
@@ -114,6 +115,7 @@ class Runtime:
             InvalidAllowlist: If a worker's allowlist file is missing or invalid.
             InvalidApplication: If the application cannot be built.
         """
+        observers.install()
         allowlist_file = None
         if allowlists is None and role == "worker":
             allowlist_file = AllowlistFile.open(settings.allowlist)
