@@ -31,6 +31,7 @@ that moves the cursor (with the lease and the batch's dead letters).
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
@@ -45,6 +46,7 @@ from artifactr import Workspace as ArtifactWorkspace
 from artifactr import Workspaces as ArtifactWorkspaces
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
+from relayr.core.errors import InvalidAllowlist
 from relayr.follow.batches import Batches, TurnEnd
 from relayr.follow.config import Inbound
 from relayr.follow.projections import PROJECTIONS
@@ -59,6 +61,7 @@ from relayr.follow.store import (
 from relayr.ledger.limits import LimitStore, RunKey
 from relayr.ledger.port import Ledger, WorkspaceKey
 from relayr.observe import telemetry
+from relayr.runtime.allowlist_file import AllowlistFile
 from relayr.runtime.application import Application
 from relayr.runtime.transient import retried
 from relayr.runtime.waking import Requeue, make_due, queue_woken
@@ -116,6 +119,8 @@ class Followers:
             its tokens (:meth:`relayr.ledger.limits.LimitStore.turn_ended`).
         requeue: Queues the runs a turn's end lets go, at once (else the dispatcher finds them
             due).
+        turn_limits: Whether any limit counts turns or tokens now: when none does, a turn's end
+            costs the limits nothing.
         clock: The wall clock leases are stamped with.
         monotonic: The clock renewals and the workspace list are timed on.
     """
@@ -132,11 +137,13 @@ class Followers:
         inbound: Inbound | None = None,
         limits: LimitStore | None = None,
         requeue: Requeue | None = None,
+        turn_limits: Callable[[], bool] = lambda: True,
         clock: Callable[[], datetime] = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._limits = limits
         self._requeue = requeue
+        self._turn_limits = turn_limits
         self._artifacts = artifacts
         self._rules = rules
         self.store: Final = store
@@ -162,6 +169,7 @@ class Followers:
         store: FollowStore | None = None,
         limits: LimitStore | None = None,
         requeue: Requeue | None = None,
+        turn_limits: Callable[[], bool] = lambda: True,
     ) -> Self:
         """The followers of an application.
 
@@ -181,6 +189,7 @@ class Followers:
             inbound=application.inbound,
             limits=limits,
             requeue=requeue,
+            turn_limits=turn_limits,
         )
 
     async def follow_all(self) -> Followed:
@@ -305,7 +314,7 @@ class Followers:
     async def _turns_ended(self, key: WorkspaceKey, ends: Sequence[TurnEnd]) -> None:
         """Give the limits what the batch's ended turns held, and wake the runs that waited
         for it. Done again, it changes nothing: a slot is freed and a turn counted once."""
-        if self._limits is None or not ends:
+        if self._limits is None or not ends or not self._turn_limits():
             return
         limits = self._limits
         woken: list[RunKey] = []
@@ -469,4 +478,23 @@ def followers_of(runtime: "Runtime") -> "Followers":
         lease_ttl_s=runtime.settings.lease_ttl_s,
         limits=runtime.bridge.limits,
         requeue=runtime.requeue,
+        turn_limits=turn_limits_in(runtime.settings.allowlist),
     )
+
+
+def turn_limits_in(path: "str | os.PathLike[str]") -> Callable[[], bool]:
+    """Whether the allowlist file at ``path`` has a limit on turns or tokens, as it is now
+    (looked at once a second). A file that cannot be read says yes: counting what no limit
+    needs costs a transaction; missing a turn's end would keep its slot for a lease."""
+    try:
+        file = AllowlistFile.open(path, on_invalid=lambda _: None, on_reload=lambda _: None)
+    except InvalidAllowlist:
+        return lambda: True
+
+    def any_turn_limit() -> bool:
+        limits = file.current().limits
+        return file.last_error is not None or any(
+            limit.turns_in_flight is not None or limit.tokens_per is not None for limit in limits
+        )
+
+    return any_turn_limit

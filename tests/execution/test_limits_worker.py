@@ -486,3 +486,61 @@ def test_a_chain_breaker_stops_a_rule_agent_loop_with_one_notice(tmp_path: Path)
     environment = slow_environment(tmp_path, CHAIN)
     environment["RELAYR_APP"] = "tests.execution.limits_app:create_looping_app"
     asyncio.run(chain_scenario(environment))
+
+
+RELOADED = """
+[rules."ops:incident-triage"]
+turns = true
+
+[limits.triage]
+rules = ["ops:incident-triage"]
+turns_per = "{}/1m"
+"""
+
+
+async def reload_scenario(environment: dict[str, str]) -> None:
+    incidents = 4
+    settings = Settings.from_env(environment)
+    allowlist = Path(environment["RELAYR_ALLOWLIST"])
+    application = await create_clocked_app(settings)
+    world = World(application, incidents)
+    store = SqlLimitStore(application.engines[0])
+    workers: list[RelayrProcess] = []
+    try:
+        await world.publish_incidents(incidents)
+        workers = [await asyncio.to_thread(start_worker, environment, settings.home)]
+        with running_dispatcher(environment, settings.home, "--no-follow") as dispatcher:
+
+            async def two_wait() -> bool:
+                return await world.settled() and len(await store.waiting()) == 2
+
+            await until("two runs to wait", two_wait, *workers, dispatcher)
+            await asyncio.to_thread(allowlist.write_text, RELOADED.format("nine"))  # broken
+
+            async def refused_file() -> bool:
+                return "the last good one stays in force" in workers[0].log()
+
+            await until("the worker to refuse the broken file", refused_file, *workers)
+            assert await world.succeeded() == 2
+            assert len(await store.waiting()) == 2
+
+            await asyncio.to_thread(allowlist.write_text, RELOADED.format(4))  # raised
+
+            async def all_went() -> bool:
+                return await world.succeeded() == incidents
+
+            await until("the waiting runs to go", all_went, *workers, dispatcher)
+            assert await store.waiting() == []
+            assert application.rules.clock() == T0
+    finally:
+        for worker in workers:
+            await asyncio.to_thread(worker.stop)
+        await application.aclose()
+
+
+def test_raising_a_limit_lets_waiting_runs_go_and_a_broken_file_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    environment = environment_for(tmp_path)
+    Path(environment["RELAYR_ALLOWLIST"]).write_text(RELOADED.format(2))
+    asyncio.run(reload_scenario(environment))
