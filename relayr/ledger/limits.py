@@ -107,8 +107,13 @@ class Waiting:
         }
 
     def describe(self) -> str:
-        when = "when a slot is free" if self.next_at is None else self.next_at.isoformat()
-        return f"waiting: {self.kind} {self.bound} of limits.{self.limit}, next at {when}"
+        """``waiting: turns_per 20/1m of limits.triage, next at 2026-...``, as ops read it."""
+        when = (
+            "until a slot is free"
+            if self.next_at is None
+            else f"next at {self.next_at.isoformat()}"
+        )
+        return f"waiting: {self.kind} {self.bound} of limits.{self.limit}, {when}"
 
 
 @dataclass(frozen=True)

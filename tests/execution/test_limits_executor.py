@@ -121,7 +121,7 @@ async def test_a_run_over_runs_in_flight_waits_and_goes_when_the_slot_is_freed(
         assert (waiting.status, waiting.attempts, waiting.epoch) == ("pending", 0, 0)
         assert waiting.next_attempt_at == harness.clock.now + timedelta(seconds=LEASE_TTL_S)
         assert await harness.waiting() == [
-            "waiting: runs_in_flight 1 of limits.work, next at when a slot is free"
+            "waiting: runs_in_flight 1 of limits.work, until a slot is free"
         ]
         assert await harness.facts(second) == []  # not attempted: no fact, no failure
 
