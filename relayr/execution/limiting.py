@@ -261,9 +261,13 @@ def _check(limit: Limit, kind: LimitKind, bound: int | Rate, key: str, run: Run)
     bucket = f"{limit.name}/{kind}"
     if kind == "chain_runs_per":
         bucket = f"{bucket}/{run.correlation_id}"
-    # a run's use is counted once, whatever its attempts: a retried attempt sends the same
-    # derived message, which starts no second turn
-    use = None if isinstance(bound, int) else key
+    use: str | None = key  # a chain's run, a run's token windows: once, whatever its attempts
+    if isinstance(bound, int):
+        use = None  # a slot, held by the run
+    elif kind == "turns_per":
+        # each attempt: one whose worker died before its send left the turn to the next
+        # attempt, which may start it in a later window (counted twice at worst, never missed)
+        use = f"{key}#{run.epoch + 1}"
     return Check(limit.name, kind, bucket, bound, use, 0 if kind == "tokens_per" else 1)
 
 

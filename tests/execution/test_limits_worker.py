@@ -135,6 +135,13 @@ class World:
     async def log(self) -> list[Any]:
         return [envelope.event for envelope in await self.envelopes()]
 
+    async def sent(self) -> int:
+        """How many messages the rule sent (each thread's first starts its one turn)."""
+        return sum(
+            isinstance(envelope.event, MessagePosted) and envelope.actor.participant == RULE_AUTHOR
+            for envelope in await self.envelopes()
+        )
+
     async def turns(self) -> tuple[int, int]:
         events = await self.log()
         started = sum(isinstance(event, RunStarted) for event in events)
@@ -217,8 +224,8 @@ async def scenario(environment: dict[str, str]) -> None:
                 async def settled_and_taken() -> bool:
                     if not await world.settled():
                         return False
-                    started, _ = await world.turns()
-                    return started >= await world.succeeded()
+                    started, _ = await world.turns()  # every message sent started its turn
+                    return started >= await world.succeeded() and started == await world.sent()
 
                 await until(f"minute {stage} to settle", settled_and_taken, *alive, dispatcher)
                 started, _ = await world.turns()
