@@ -57,6 +57,8 @@ class Admitted:
 
     refused: dict[str, str] = field(default_factory=dict)
     bound: set[str] = field(default_factory=set)
+    not_due: dict[str, str] = field(default_factory=dict)
+    """Runs bound by a limit that were not due yet: not claimed, not counted."""
 
 
 @dataclass
@@ -97,10 +99,15 @@ class Limiter:
     ) -> str | None:
         run = await retried(lambda: self.rules.storage.run(ref, run_id))
         now = self.rules.clock()
-        if run is None or run.status not in WAITING or run.next_attempt_at > now:
+        if run is None or run.status not in WAITING:
             return None  # the claim says what it is; nothing starts, nothing to count
         checks = checks_for(allowlists, ref, run)
         if not checks:
+            return None
+        if run.next_attempt_at > now:
+            # not due as the limits see it: left alone, so the claim, a moment later, cannot
+            # start it unchecked (the claim reads the clock again); its due time brings it back
+            admitted.not_due[run.id] = f"is due at {run.next_attempt_at.isoformat()}"
             return None
         key = RunKey(ref.tenant_id, ref.workspace_id, run.id)
         refusal = await retried(

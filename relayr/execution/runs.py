@@ -159,8 +159,11 @@ class Batch:
         self.bound |= admitted.bound
         for run_id, why in admitted.refused.items():
             self._ended(run_id, Executed("limited", None, f"run {run_id} {why}"))
-        await self._release(admitted.refused)
-        return [run_id for run_id in run_ids if run_id not in admitted.refused]
+        for run_id, why in admitted.not_due.items():
+            self._ended(run_id, Executed("not_due", None, f"run {run_id} {why}"))
+        left = {*admitted.refused, *admitted.not_due}
+        await self._release(left)
+        return [run_id for run_id in run_ids if run_id not in left]
 
     async def _claim(self, run_ids: list[str]) -> list[Claimed]:
         """Claim the leased runs; release at once the leases of those that did not start."""
