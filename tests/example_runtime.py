@@ -12,7 +12,7 @@ from artifactr import UserActor
 from artifactr.core import MessagePosted, RunEnded
 from reflexr import SourceActor
 
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import Dispatcher
 from relayr.execution.executor import Executed, execute_runs
 from relayr.runtime.process import Runtime
@@ -41,9 +41,9 @@ class Example:
         self.runtime = runtime
         self.application = runtime.application
         self.dispatcher = Dispatcher(runtime)
-        self.enqueued: list[RunBatch] = []
+        self.enqueued: list[RunMessage] = []
 
-    async def enqueue(self, batch: RunBatch) -> None:
+    async def enqueue(self, batch: RunMessage) -> None:
         self.enqueued.append(batch)
 
     async def thread(self, title: str) -> str:

@@ -22,7 +22,7 @@ from reflexr.core import Envelope
 from reflexr.workspace import Workspace as RuleWorkspace
 
 from relayr.core.allowlist_toml import parse_allowlist
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import Dispatcher
 from relayr.execution.executor import execute_runs
 from relayr.follow.config import Inbound
@@ -101,9 +101,9 @@ class World:
         """Follow (unless told not to), dispatch and execute until a round moves nothing; what
         following did."""
         total = Followed()
-        queue: list[RunBatch] = []
+        queue: list[RunMessage] = []
 
-        async def enqueue(batch: RunBatch) -> None:
+        async def enqueue(batch: RunMessage) -> None:
             queue.append(batch)
 
         for _ in range(SETTLE_ROUNDS):

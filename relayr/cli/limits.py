@@ -20,7 +20,7 @@ def limits(file: Path | None, as_json: bool) -> None:
     from relayr.core.errors import InvalidAllowlist
     from relayr.ops.limits import LimitUse, limit_uses
     from relayr.runtime.allowlist_file import load_allowlist
-    from relayr.runtime.parts import opened_limits
+    from relayr.runtime.application_parts import opened_limits
 
     settings = load_settings()
     path = file or settings.allowlist

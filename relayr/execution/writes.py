@@ -4,8 +4,7 @@ rows, and every failure turned into the attempt's ``RunFailure`` with a stable r
 :class:`relayr.execution.actions.RunActions` decides with the core (:mod:`relayr.core.routing`) and
 writes through :class:`Writes`. Every storage call here is retried on a transient fault
 (:mod:`relayr.runtime.transient`; the ids are derived, so a repeat is made once); what artifactr
-refuses
-is classified by :func:`relayr.core.refusals.classify`; a storage error that outlasts the
+refuses is classified by :func:`relayr.core.refusals.classify`; a storage error that outlasts the
 retries fails the attempt ``storage_unavailable`` (retried by the rule's policy) with a message
 naming the write, never as a raw SQLAlchemy error.
 """

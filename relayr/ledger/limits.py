@@ -9,12 +9,13 @@ longest window). A run refused is recorded as waiting, with the limit and when i
 for people (``relayr runs list``, ``relayr limits``); releasing a slot names the runs that wait
 for it, oldest first, so the releaser can wake them.
 
-SQL: one transaction per call, on the application's database, in relayr's own tables (created
-when missing, as the ledger's are). Two admissions into one limit never interleave: on
-PostgreSQL each transaction locks the limits' rows (``SELECT ... FOR UPDATE``, in one order, so
-never a deadlock); on SQLite every write transaction takes the file's lock first
-(``BEGIN IMMEDIATE``). The engine is shared, and on SQLite it has one connection: never call
-the store while holding a connection of the same engine.
+SQL: one transaction per call, on the application's database, in relayr's own tables (made by
+relayr's migrations, brought to head before the first call, as the ledger's are). Two
+admissions into one limit never interleave: on PostgreSQL each transaction locks the limits'
+rows (``SELECT ... FOR UPDATE``, in one order, so never a deadlock); on SQLite every write
+transaction takes the file's lock first (``BEGIN IMMEDIATE``). The engine is shared, and on
+SQLite it has one connection: never call the store while holding a connection of the same
+engine.
 """
 
 from collections.abc import Sequence
@@ -351,7 +352,7 @@ class SqlLimitStore(SqlStore):
     """The limits' counts in SQLite or PostgreSQL (see the module)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
-        super().__init__(engine, metadata, refusal="the limits keep their counts")
+        super().__init__(engine, refusal="the limits keep their counts")
 
     async def admit(
         self, run: RunKey, checks: Sequence[Check], *, now: datetime, lease_until: datetime

@@ -1,10 +1,9 @@
 """What the path emits: facts about runs, writes and turns, and the observers that record them.
 
-The stages (dispatch, execution, follow, the tasks) say what happened with :func:`emit`, one
-fact at a time, and never call metrics or traces themselves; metrics and traces subscribe, as
-Dramatiq's middleware hooks a worker's life cycle. An observer that raises is logged and skipped:
-observing never fails a run. Observers are called in the emitting thread, in the order they
-subscribed; :func:`subscribe` returns the function that unsubscribes (tests use it to watch).
+The stages say what happened with :func:`emit`, one fact at a time, and never call metrics or
+traces themselves; observers subscribe (ADR-0096). An observer that raises is logged and skipped:
+observing never fails a run. Observers run in the emitting thread, in the order they subscribed;
+:func:`subscribe` returns the function that unsubscribes (tests use it to watch).
 """
 
 from collections.abc import Callable

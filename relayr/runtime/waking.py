@@ -14,7 +14,7 @@ import structlog
 from reflexr.core import WAITING, new_event_id, retry
 from reflexr.workspace import REACTOR, Entry, WorkspaceRef, Workspaces
 
-from relayr.core.run_messages import MAX_BATCH_RUNS, RunBatch
+from relayr.core.run_messages import MAX_BATCH_RUNS, RunMessage
 from relayr.ledger.limits import LimitStore, RunKey
 from relayr.runtime.transient import retried
 
@@ -54,7 +54,7 @@ async def _due_now(rules: Workspaces, key: RunKey) -> bool:
         return True
 
 
-type Requeue = Callable[[RunBatch], Awaitable[None]]
+type Requeue = Callable[[RunMessage], Awaitable[None]]
 """Hands runs to the queue at once, as the dispatcher does."""
 
 
@@ -71,7 +71,7 @@ async def queue_woken(requeue: Requeue | None, runs: Sequence[RunKey]) -> None:
             chunk = tuple(run_ids[start : start + MAX_BATCH_RUNS])
             try:
                 await requeue(
-                    RunBatch(tenant_id=tenant_id, workspace_id=workspace_id, run_ids=chunk)
+                    RunMessage(tenant_id=tenant_id, workspace_id=workspace_id, run_ids=chunk)
                 )
             except Exception:
                 logger.warning("queueing woken runs failed", run_ids=list(chunk), exc_info=True)

@@ -25,7 +25,7 @@ from reflexr.core import load_event
 
 from relayr.broker.redis import dead_letter_list
 from relayr.cli.demo import run_scenario
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.demo import CLI_USER, DEMO_PUBLISHER, Plan
 from relayr.dispatch.dispatcher import Dispatcher
 from relayr.runtime.process import Runtime
@@ -186,7 +186,7 @@ async def rival_pending_run(settings_: Settings, tenant: str, workspace: str) ->
             event = {"type": "deploy:finished", "service": f"rival-{index}", "status": "ok"}
             await rules.publish(load_event({**event, "thread_id": thread}), id=f"rival-{index}")
 
-        async def hold(batch: RunBatch) -> None:
+        async def hold(batch: RunMessage) -> None:
             return None
 
         await Dispatcher(runtime).pass_once(hold)

@@ -1,14 +1,12 @@
 """The console's deploy entries: reachable only where the ADR says, probed where it listens.
 
 ``tests/project/test_deploy_commands.py`` parses every command (``relayr console ...`` included)
-with
-the click group, ``tests/project/test_deploy_settings.py`` every variable with the settings; this
-adds
-what is the console's own (ADR-0070): compose publishes it on the host's loopback only,
-Kubernetes behind a ClusterIP Service, both keep its check of host names (no ``--allowed-host
-'*'``: bound to every address of a container it still answers no other site's name), both probe
-the port it listens on, and its token comes from outside the files (an optional Secret, the
-operator's environment), so a deployment without it is read-only.
+with the click group, ``tests/project/test_deploy_settings.py`` every variable with the settings;
+this adds what is the console's own (ADR-0070): compose publishes it on the host's loopback only,
+Kubernetes behind a ClusterIP Service, both keep its check of host names (no ``--allowed-host '*'``:
+bound to every address of a container it still answers no other site's name), both probe the port it
+listens on, and its token comes from outside the files (an optional Secret, the operator's
+environment), so a deployment without it is read-only.
 """
 
 from itertools import pairwise

@@ -22,7 +22,7 @@ from reflexr.workspace import Reaction, WorkspaceRef
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
 from relayr.core.allowlist import Allowlists
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import Dispatcher, DispatchPass
 from relayr.execution.executor import execute_runs
 from relayr.runtime.application import Application, open_storage
@@ -112,7 +112,7 @@ class Harness:
         self.depth: int | None = None
         """What the broker says waits in the queue; None: it cannot say."""
         self.dispatcher = Dispatcher(runtime, monotonic=self.clock, queue_depth=self.queue_depth)
-        self.queue: list[RunBatch] = []
+        self.queue: list[RunMessage] = []
         gates = runtime.application.app_deps
         assert isinstance(gates, Gates)
         self.gates = gates
@@ -120,7 +120,7 @@ class Harness:
     async def queue_depth(self) -> int | None:
         return self.depth
 
-    async def enqueue(self, batch: RunBatch) -> None:
+    async def enqueue(self, batch: RunMessage) -> None:
         assert (batch.tenant_id, batch.workspace_id) == (TENANT, WORKSPACE)
         self.queue.append(batch)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import DUE_READ_INTERVAL_S, Dispatcher
 from relayr.execution.executor import execute_runs
 from relayr.settings import Settings
@@ -34,7 +34,7 @@ from tests.dispatch.dispatch_harness import (
 async def test_serve_dispatches_until_stopped(harness: Harness) -> None:
     stop = asyncio.Event()
 
-    async def enqueue(batch: RunBatch) -> None:
+    async def enqueue(batch: RunMessage) -> None:
         await harness.enqueue(batch)
         if sum(len(b.run_ids) for b in harness.queue) == 2:
             stop.set()
@@ -50,7 +50,7 @@ async def test_serve_survives_a_failing_pass(harness: Harness) -> None:
     stop = asyncio.Event()
     calls = 0
 
-    async def enqueue_then_stop(batch: RunBatch) -> None:
+    async def enqueue_then_stop(batch: RunMessage) -> None:
         nonlocal calls
         calls += 1
         stop.set()

@@ -8,7 +8,7 @@ never copied; a run the queue refused goes with the next pass. The harness (its 
 messages, its clocks moved by the test) is :mod:`tests.dispatch.dispatch_harness`.
 """
 
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from tests.dispatch.dispatch_harness import REQUEUE_AFTER_S, Harness, Ping
 
 
@@ -109,7 +109,7 @@ async def test_a_run_the_queue_refused_is_enqueued_by_the_next_pass(harness: Har
     await harness.publish(Ping())
     refused: list[str] = []
 
-    async def broken(batch: RunBatch) -> None:
+    async def broken(batch: RunMessage) -> None:
         refused.extend(batch.run_ids)
         raise ConnectionError("broker down")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from relayr.cli.serve import batch_enqueuer
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.settings import Settings
 
 HELD_S = 30.0
@@ -80,7 +80,7 @@ async def test_a_broker_that_does_not_answer_does_not_hold_the_loop(tmp_path: Pa
         settings = Settings(home=tmp_path, broker_url=f"redis://127.0.0.1:{broker.port}/0")
         enqueue = batch_enqueuer(settings)
         sending = asyncio.create_task(
-            enqueue(RunBatch(tenant_id="acme", workspace_id="ops", run_ids=("fir_1",)))
+            enqueue(RunMessage(tenant_id="acme", workspace_id="ops", run_ids=("fir_1",)))
         )
         # this coroutine goes on once the broker holds the publish, if the loop is free
         assert await asyncio.to_thread(broker.accepted.wait, HELD_S)

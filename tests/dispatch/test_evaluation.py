@@ -2,10 +2,9 @@
 
 One log is evaluated by reflexr's ``Reactor.evaluate`` in one storage and by
 :func:`relayr.dispatch.evaluation.evaluate_all` in another; the runs they create (ids are derived
-from
-the rule, scope and seq, so they compare across storages), the rules' cursors and the facts
-they append must be the same. Then what only relayr's does: one transaction per workspace and
-pass, a bound at the pass's head, and two evaluators at once firing each run once.
+from the rule, scope and seq, so they compare across storages), the rules' cursors and the facts
+they append must be the same. Then what only relayr's does: one transaction per workspace and pass,
+a bound at the pass's head, and two evaluators at once firing each run once.
 """
 
 import asyncio

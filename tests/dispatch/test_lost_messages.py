@@ -20,7 +20,7 @@ from artifactr import UserActor
 from reflexr import SourceActor
 
 from relayr.broker.layout import is_message, queue_path
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import Dispatcher, DispatchPass, Enqueue
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -108,9 +108,9 @@ async def _lose_one(
             TENANT, WORKSPACE, actor=SourceActor(name="test")
         )
         dispatcher = Counting(runtime)
-        sent: list[RunBatch] = []
+        sent: list[RunMessage] = []
 
-        async def enqueue(batch: RunBatch) -> None:
+        async def enqueue(batch: RunMessage) -> None:
             send_runs(app, settings.queue, batch)
             sent.append(batch)
 
@@ -142,7 +142,7 @@ async def _lose_one(
 def _losing(broker: Broker, settings: Settings, enqueue: Enqueue) -> Enqueue:
     """An enqueue whose message is lost right after it was sent."""
 
-    async def lose(batch: RunBatch) -> None:
+    async def lose(batch: RunMessage) -> None:
         await enqueue(batch)
         lose_the_oldest_message(broker, settings)
 

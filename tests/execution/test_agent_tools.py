@@ -32,7 +32,7 @@ from reflexr.workspace import Reaction
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
 from relayr.core.allowlist_toml import parse_allowlist
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import DUE_READ_INTERVAL_S, Dispatcher
 from relayr.execution.agent_tools import TOOL_RETRIES, RuleCapability, RuleTools
 from relayr.execution.executor import execute_runs
@@ -179,9 +179,9 @@ class Harness:
             TENANT, WORKSPACE, actor=SourceActor(name="test")
         )
         published = await rules.publish(Scripted(thread_id=thread, calls=list(calls), **flags))
-        queue: list[RunBatch] = []
+        queue: list[RunMessage] = []
 
-        async def enqueue(batch: RunBatch) -> None:
+        async def enqueue(batch: RunMessage) -> None:
             queue.append(batch)
 
         for _ in range(10):

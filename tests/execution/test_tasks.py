@@ -18,7 +18,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from structlog.testing import capture_logs
 
 from relayr.core.errors import InvalidTask
-from relayr.core.run_messages import MAX_BATCH_RUNS, RunBatch
+from relayr.core.run_messages import MAX_BATCH_RUNS, RunMessage
 from relayr.execution.executor import Executed
 from relayr.execution.outcomes import RunOutcome
 from relayr.observe.logging import configure_logging
@@ -108,7 +108,7 @@ def test_anything_but_a_batch_of_ids_is_refused(
 
 
 def test_a_batch_by_position_or_by_name() -> None:
-    expected = RunBatch(tenant_id="acme", workspace_id="ops", run_ids=("fir_1", "fir_2"))
+    expected = RunMessage(tenant_id="acme", workspace_id="ops", run_ids=("fir_1", "fir_2"))
     assert parse_batch(("acme", "ops", ["fir_1", "fir_2"]), {}) == expected
     by_name = {"tenant_id": "acme", "workspace_id": "ops", "run_ids": ["fir_1", "fir_2"]}
     assert parse_batch((), by_name) == expected

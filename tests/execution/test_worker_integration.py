@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from relayr.cli.demo import run_scenario
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.demo import Plan
 from relayr.dispatch.dispatcher import Dispatcher
 from relayr.runtime.process import Runtime
@@ -47,7 +47,7 @@ def serve_enqueueing(copies: int) -> Serve:
     async def serve(runtime: Runtime, stop: asyncio.Event) -> None:
         app = create_celery(runtime.settings)
 
-        async def enqueue(batch: RunBatch) -> None:
+        async def enqueue(batch: RunMessage) -> None:
             for _ in range(copies):
                 send_runs(app, runtime.settings.queue, batch)
 
@@ -292,7 +292,7 @@ async def crash_once(settings: Settings, worker: RelayrProcess) -> Any:
     async with runtime:
         app = create_celery(settings)
 
-        async def enqueue(batch: RunBatch) -> None:
+        async def enqueue(batch: RunMessage) -> None:
             send_runs(app, settings.queue, batch)
 
         rules = await runtime.application.rules.open(
@@ -346,7 +346,7 @@ async def sleep_twice(settings: Settings, worker: RelayrProcess) -> tuple[Any, A
         rules = await runtime.application.rules.open("acme", "naps", actor=SourceActor(name="t"))
         dispatcher = Dispatcher(runtime)
 
-        async def enqueue(batch: RunBatch) -> None:
+        async def enqueue(batch: RunMessage) -> None:
             send_runs(app, settings.queue, batch)
 
         deadline = time.monotonic() + 60

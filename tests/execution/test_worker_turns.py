@@ -148,7 +148,7 @@ async def test_shutdown_names_the_turns_still_asked_for_after_the_grace(tmp_path
 
     try:
         handle = RunHandle("run-1", "thr-1", asyncio.create_task(failed()))
-        runtime.bridge.turns.started(handle, again=again)
+        runtime.bridge.turns.started(handle, ask_again=again)
         await asyncio.wait_for(asked.wait(), 30)
 
         with capture_logs() as logs:

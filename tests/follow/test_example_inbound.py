@@ -16,7 +16,7 @@ from artifactr.core import MessagePosted, ProposalCreated
 from reflexr import SourceActor
 
 from relayr import demo
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import Dispatcher
 from relayr.execution.executor import execute_runs
 from relayr.runtime.process import Runtime
@@ -55,9 +55,9 @@ async def settle(runtime: Runtime) -> None:
         return 0
 
     dispatcher = Dispatcher(runtime, queue_depth=empty)
-    queue: list[RunBatch] = []
+    queue: list[RunMessage] = []
 
-    async def enqueue(batch: RunBatch) -> None:
+    async def enqueue(batch: RunMessage) -> None:
         queue.append(batch)
 
     for _ in range(ROUNDS):

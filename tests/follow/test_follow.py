@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import event
 
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import Dispatcher
 from relayr.follow.events import FOLLOWER, MessagePosted, TurnEnded
 from relayr.follow.projections import PROJECTIONS, Projection, Source
@@ -133,9 +133,9 @@ async def test_the_dispatcher_follows_at_the_start_of_each_pass(world: World) ->
         return 0
 
     dispatcher = Dispatcher(world.runtime, queue_depth=empty)
-    queue: list[RunBatch] = []
+    queue: list[RunMessage] = []
 
-    async def enqueue(batch: RunBatch) -> None:
+    async def enqueue(batch: RunMessage) -> None:
         queue.append(batch)
 
     done = await dispatcher.pass_once(enqueue)

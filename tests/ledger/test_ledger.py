@@ -3,7 +3,7 @@
 The blocks of :meth:`relayr.ledger.Ledger.alongside` make real artifactr writes, as relayr's
 executor does: on SQL, on the ledger's own engine (as relayr wires them, one engine for
 artifactr's tables and the ledger's), so their causes ride the write's commit
-(:mod:`relayr.ledger.riding`); in memory, on artifactr's in-memory storage.
+(:mod:`relayr.ledger.with_the_write`); in memory, on artifactr's in-memory storage.
 """
 
 import asyncio

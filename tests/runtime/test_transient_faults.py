@@ -29,7 +29,7 @@ from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from relayr.core.ids import IdDeriver, digest
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import Dispatcher
 from relayr.execution.actions import acting
 from relayr.execution.executor import execute_runs
@@ -140,9 +140,9 @@ class World:
         """Publish ``event``; return the id of the run of ``rule`` (or the only one) it made."""
         source = await self.application.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="t"))
         await source.publish(event)
-        batches: list[RunBatch] = []
+        batches: list[RunMessage] = []
 
-        async def enqueue(batch: RunBatch) -> None:
+        async def enqueue(batch: RunMessage) -> None:
             batches.append(batch)
 
         await Dispatcher(self.runtime).pass_once(enqueue)
@@ -353,7 +353,7 @@ async def test_a_publish_that_meets_an_unreachable_broker_is_sent(
         )
         dispatcher = Dispatcher(runtime)
 
-        async def enqueue(batch: RunBatch) -> None:
+        async def enqueue(batch: RunMessage) -> None:
             send_runs(app, settings.queue, batch)
 
         await source.publish(DeployFinished(service="warm", status="ok", thread_id=thread))

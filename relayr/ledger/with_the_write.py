@@ -1,21 +1,10 @@
-"""Ledger rows that ride in the storage's own transaction.
+"""Ledger rows that ride in the storage's own transaction (ADR-0023).
 
-relayr's ledger keeps its tables in the database that artifactr's and reflexr's tables are in
-(one engine, ADR-0005). So a write's cause and emission record need no transaction of their
-own: they can be committed in the very transaction that makes the write (the artifactr commit of
-a notice), or that completes its run (reflexr's). One commit instead of three, and a write that
-exists always has its cause, even if its process dies right after (ADR-0023).
-
-The mechanism is SQLAlchemy's, not the libraries': both libraries' SQL storage work through ORM
-sessions on the engine the application gave them, and an ORM session announces each commit
-(``before_commit``, ``after_commit``, ``after_rollback``). While a block runs under
-:func:`riding`, the first top-level commit of a session bound to the ledger's engine, in this
-task or a task it starts, executes the ledger's statements on that session's connection first;
-``after_commit`` marks the writes committed. A savepoint never carries them (it may roll back
-while its transaction commits), and a transaction that rolls back drops them, so the caller
-sees ``committed`` still false and decides. Nothing here depends on how the libraries build
-their transactions beyond using sessions on that engine; if one day one of them did not, the
-rows would simply not ride and :meth:`relayr.ledger.Ledger.alongside` writes them itself.
+Under :func:`with_the_write`, the first top-level commit of an ORM session bound to the ledger's
+engine (in this task or one it starts) executes the ledger's statements on that session's
+connection first, so a write that exists always has its cause. A savepoint never carries them and
+a rollback drops them: the caller then sees ``committed`` false and decides
+(:meth:`relayr.ledger.Ledger.alongside` writes them itself).
 """
 
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,7 +36,7 @@ _ride: ContextVar[_Ride | None] = ContextVar("relayr_ledger_ride", default=None)
 
 
 @contextmanager
-def riding(engine: Engine, statements: Statements, writes: LedgerWrites) -> Iterator[None]:
+def with_the_write(engine: Engine, statements: Statements, writes: LedgerWrites) -> Iterator[None]:
     """Let ``statements`` ride the block's first commit on ``engine``; that commit marks
     ``writes`` committed. Blocks do not nest: an inner one replaces the outer one meanwhile."""
     token = _ride.set(_Ride(engine, statements, writes))

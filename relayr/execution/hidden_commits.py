@@ -2,11 +2,10 @@
 
 A fault during COMMIT (a connection lost as PostgreSQL committed) may hide a commit that took
 effect, so a step tried again after a transient fault (:mod:`relayr.runtime.transient`) would meet
-its
-own work as if another executor had done it. The tries of one step of
-:mod:`relayr.execution.attempts`
-share a :class:`Tries`: each notes the runs it is about to save, and the next reads them back
-first; found as saved, they mean that try committed whole, and its result stands.
+its own work as if another executor had done it. The tries of one step of
+:mod:`relayr.execution.attempts` share a :class:`HiddenCommits`: each notes the runs it is about to
+save, and the next reads them back first; found as saved, they mean that try committed whole, and
+its result stands.
 """
 
 from collections.abc import Iterable
@@ -24,7 +23,7 @@ def _mark(run: Run) -> _Mark:
 
 
 @dataclass
-class Tries[T]:
+class HiddenCommits[T]:
     """The tries of one step, and what the last of them was about to commit.
 
     Every change a step makes moves a run to another status at that try's own ``now``, which

@@ -1,22 +1,10 @@
 """An application's parts: what a command that runs no rule needs of it, and nothing more.
 
-A worker needs the whole application (:class:`relayr.runtime.application.Application`): both
-libraries' workspaces, the actions and the agent. Most commands need one side of it:
-``relayr publish`` and ``relayr runs`` reflexr's workspaces with the application's events and
-rules, ``relayr thread`` artifactr's workspaces. Building the whole application for them imports
-both libraries, pydantic-ai and the actions' code, and costs a person a second or more per
-command (ADR-0050).
-
-So the factory that ``RELAYR_APP`` names may declare, with :func:`with_parts`, lighter factories
-of its two sides: ``rules`` returns a :class:`RulesPart`, ``artifacts`` an
-:class:`ArtifactsPart`. Each is an async function of the settings, builds its workspaces
-exactly as the whole factory does (same events, rules, artifact types and hooks) on storage of
-its own library only (:func:`open_rule_storage`, :func:`open_artifact_storage`), and imports
-only that library. :func:`opened_rules` and :func:`opened_artifacts` use a declared part, and
-the whole factory otherwise: an application that declares nothing works as before, at the
-cost it had.
-
-Like :mod:`relayr.runtime.application`, this module imports neither library at import.
+The ``RELAYR_APP`` factory may declare, with :func:`with_parts`, lighter factories of its two
+sides: ``rules`` (a :class:`RulesPart`) and ``artifacts`` (an :class:`ArtifactsPart`), each
+building its workspaces exactly as the whole factory does on its own library only.
+:func:`opened_rules` and :func:`opened_artifacts` use a declared part and the whole factory
+otherwise (ADR-0050). This module imports neither library at import.
 """
 
 from __future__ import annotations
