@@ -32,6 +32,7 @@ from artifactr import UserActor
 from artifactr.core import MessagePosted, RunEnded, RunStarted
 from reflexr import SourceActor
 from reflexr.core import WAITING
+from sqlalchemy import DateTime, column, func, select, table
 
 from relayr.ledger.limits import SqlLimitStore
 from relayr.runtime.application import Application
@@ -135,6 +136,20 @@ class World:
     async def log(self) -> list[Any]:
         return [envelope.event for envelope in await self.envelopes()]
 
+    async def no_claims(self) -> bool:
+        """Whether no agent turn holds a thread (artifactr's ``thread:`` leases): the killed
+        worker's have lapsed, and the live worker is between turns."""
+        leases = table(
+            "artifactr_leases", column("key"), column("expires_at", DateTime(timezone=True))
+        )
+        query = (
+            select(func.count())
+            .select_from(leases)
+            .where(leases.c.key.like("thread:%"), leases.c.expires_at > datetime.now(UTC))
+        )
+        async with self.application.engines[0].connect() as connection:
+            return (await connection.scalar(query)) == 0
+
     async def sent(self) -> int:
         """How many messages the rule sent (each thread's first starts its one turn)."""
         return sum(
@@ -214,8 +229,9 @@ async def scenario(environment: dict[str, str]) -> None:
 
                     await until("a turn of the minute", some_started, *alive, dispatcher)
                     workers[1].kill()
-                    # started again, as `relayr run` or a process manager would: it takes the
-                    # turns the killed worker was asked for and never started
+                    # started again, as `relayr run` or a process manager would, once the dead
+                    # worker's claims on threads lapsed: it takes the turns they held back
+                    await until("the dead worker's thread claims to lapse", world.no_claims)
                     workers.append(
                         await asyncio.to_thread(start_worker, environment, home, concurrency=1)
                     )
@@ -505,6 +521,13 @@ turns_per = "{}/1m"
 """
 
 
+def save(path: Path, text: str) -> None:
+    """Replace a file whole, as an editor saves it: a worker never reads it half-written."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 async def reload_scenario(environment: dict[str, str]) -> None:
     incidents = 4
     settings = Settings.from_env(environment)
@@ -522,7 +545,7 @@ async def reload_scenario(environment: dict[str, str]) -> None:
                 return await world.settled() and len(await store.waiting()) == 2
 
             await until("two runs to wait", two_wait, *workers, dispatcher)
-            await asyncio.to_thread(allowlist.write_text, RELOADED.format("nine"))  # broken
+            await asyncio.to_thread(save, allowlist, RELOADED.format("nine"))  # broken
 
             async def refused_file() -> bool:
                 return "the last good one stays in force" in workers[0].log()
@@ -531,7 +554,7 @@ async def reload_scenario(environment: dict[str, str]) -> None:
             assert await world.succeeded() == 2
             assert len(await store.waiting()) == 2
 
-            await asyncio.to_thread(allowlist.write_text, RELOADED.format(4))  # raised
+            await asyncio.to_thread(save, allowlist, RELOADED.format(4))  # raised
 
             async def all_went() -> bool:
                 return await world.succeeded() == incidents
