@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from artifactr import Workspace as ArtifactWorkspace
 from artifactr.core import Envelope as ArtifactrEnvelope
+from artifactr.core import RunEnded
 from reflexr import Event
 from reflexr.core import Causation
 from reflexr.workspace import Access, Entry, WorkspaceRef
@@ -24,11 +25,21 @@ from relayr.follow.events import FOLLOWER
 from relayr.follow.projections import Projection, Source, event_type
 from relayr.follow.reports import CAUSE_MISSING, DEPTH_EXCEEDED, PROJECTION_FAILED
 from relayr.follow.store import DeadLetter
-from relayr.ledger.port import Ledger, WorkspaceKey
+from relayr.ledger.port import Cause, Ledger, WorkspaceKey
 from relayr.observe import telemetry
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """A turn that ended (artifactr's ``run_ended``), the run whose message started it (the
+    ledger's cause of its newest message a run sent), and the tokens its ``usage`` counts."""
+
+    run_id: str
+    turn_id: str
+    tokens: int
 
 
 @dataclass
@@ -40,6 +51,8 @@ class Prepared:
     skipped: int = 0
     spans: list["Span"] = field(default_factory=list)
     """With tracing on, a ``relayr.bridge`` span per entry, ended once the batch is published."""
+    turn_ends: list[TurnEnd] = field(default_factory=list)
+    """The batch's turns that ended and the run whose message started each, for the limits."""
 
 
 class Batches:
@@ -74,6 +87,14 @@ class Batches:
         chains = await self._chains.of_batch(key, handle, envelopes)
         prepared = Prepared()
         for envelope in envelopes:
+            if isinstance(envelope.event, RunEnded):
+                started_by = chains.cause_of(envelope)
+                if isinstance(started_by, Cause):
+                    usage = envelope.event.usage
+                    tokens = 0 if usage is None else usage.input_tokens + usage.output_tokens
+                    prepared.turn_ends.append(
+                        TurnEnd(started_by.run_id, envelope.event.run_id, tokens)
+                    )
             projection = self._projections.get(event_type(envelope))
             if projection is None:
                 prepared.skipped += 1

@@ -5,8 +5,8 @@ until when); ``relayr_changes``, the workspaces whose logs moved (written by SQL
 read by the dispatcher; empty on PostgreSQL, where the triggers ``NOTIFY`` instead); and on
 each library's workspace table present, a trigger that fires when its ``head_seq`` moves.
 
-Revision ID: 0002
-Revises: 0001
+Revision ID: 0003
+Revises: 0002
 Create Date: 2026-12-01
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0002"
-down_revision: str | Sequence[str] | None = "0001"
+revision: str = "0003"
+down_revision: str | Sequence[str] | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
