@@ -33,8 +33,8 @@ from pydantic_core import ErrorDetails
 from relayr.core import reasons
 from relayr.core.errors import InvalidTask
 from relayr.core.run_messages import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunBatch
-from relayr.execution.executor import Executed
 from relayr.execution import executor
+from relayr.execution.executor import Executed
 from relayr.observe import metrics
 from tasks.worker import process
 
