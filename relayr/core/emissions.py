@@ -1,11 +1,13 @@
 """Emission records: one durable, validated record of each notice or send a run made.
 
 The record says what was emitted, by which rule and run, where, by which route (``policy``)
-and with which outcome. It says what artifactr holds: a retried post whose first attempt
-posted a notice is recorded as that notice, whatever the allowlist says now (ADR-0062). A
-record is validated when it is written and again when it is read; a
-bad one is refused with a named code (:data:`CODES`) and never stored, so what ops read back is
-always a record this schema allows.
+and with which outcome. Its ``kind`` says what artifactr holds: a retried post whose first
+attempt posted a notice is recorded as that notice, whatever the allowlist says now (ADR-0062).
+Its ``policy`` says the route the allowlist decided for this attempt: the same retried post
+after ``turns`` was granted went the send route and records ``turn`` (ADR-0101). The two
+differ only for a write an earlier attempt made (``already_posted``). A record is validated
+when it is written and again when it is read; a bad one is refused with a named code
+(:data:`CODES`) and never stored, so what ops read back is always a record this schema allows.
 
 The record is a pydantic model, so its JSON Schema is published with the repository
 (``docs/emission-record.schema.json``, :func:`json_schema`; a test keeps the two equal). Pure:
@@ -47,7 +49,11 @@ POLICY_OF_KIND: Final[Mapping[EmissionKind, EmissionPolicy]] = {
     "notice": "notice",
     "message": "turn",
 }
-"""Which route each kind takes: a notice is posted as one, a message is a send."""
+"""Which route writes each kind: a notice is posted as one, a message is a send. A record of
+another route found the write an earlier attempt made: its outcome is ``already_posted``."""
+
+OTHER_ROUTE_OUTCOME: Final = "already_posted"
+"""The only outcome of a route that did not write what artifactr holds under its id."""
 
 OUTCOMES_OF_KIND: Final[Mapping[str, frozenset[str]]] = {
     "notice": frozenset({"posted", "already_posted"}),
@@ -128,19 +134,31 @@ _Content = Annotated[
 
 
 def _kind_rules() -> list[JsonValue]:
-    """The JSON Schema's form of :data:`POLICY_OF_KIND` and :data:`OUTCOMES_OF_KIND`."""
-    return [
+    """The JSON Schema's form of :data:`OUTCOMES_OF_KIND` and :data:`POLICY_OF_KIND`."""
+    outcomes: list[JsonValue] = [
         {
             "if": {"properties": {"kind": {"const": kind}}},
             "then": {
                 "properties": {
-                    "policy": {"const": POLICY_OF_KIND[kind]},
                     "outcome": {"enum": list[JsonValue](sorted(OUTCOMES_OF_KIND[kind]))},
                 }
             },
         }
         for kind in sorted(EMISSION_KINDS)
     ]
+    other_routes: list[JsonValue] = [
+        {
+            "if": {
+                "properties": {"kind": {"const": kind}, "policy": {"const": policy}},
+                "required": ["kind", "policy"],
+            },
+            "then": {"properties": {"outcome": {"const": OTHER_ROUTE_OUTCOME}}},
+        }
+        for kind in sorted(EMISSION_KINDS)
+        for policy in sorted(EMISSION_POLICIES)
+        if POLICY_OF_KIND[kind] != policy
+    ]
+    return outcomes + other_routes
 
 
 class EmissionRecord(BaseModel):
@@ -180,9 +198,11 @@ class EmissionRecord(BaseModel):
             record = handler(data)
         except ValidationError as invalid:
             raise _named_error(invalid, data) from None
-        if POLICY_OF_KIND[record.kind] != record.policy:
+        if POLICY_OF_KIND[record.kind] != record.policy and record.outcome != OTHER_ROUTE_OUTCOME:
             raise InvalidEmission(
-                "INVALID_POLICY", f"a {record.kind} cannot have policy {record.policy!r}"
+                "INVALID_POLICY",
+                f"policy {record.policy!r} does not write a {record.kind}: only an earlier "
+                f"attempt's {record.kind} can be found by it ({OTHER_ROUTE_OUTCOME})",
             )
         if record.outcome not in OUTCOMES_OF_KIND[record.kind]:
             raise InvalidEmission(

@@ -10,7 +10,8 @@ operator's retry) makes each effect once:
   before it asked for the turn: it asks now (ADR-0026), which starts that turn or does nothing;
 - either way the emission record says what artifactr holds under the id: a retried ``post``
   whose route changed with the allowlist meanwhile records the notice (or the message) the
-  earlier attempt posted, and asks for no turn for a notice (ADR-0062).
+  earlier attempt posted, and asks for no turn for a notice (ADR-0062); its ``policy`` says
+  the route the allowlist decided now (ADR-0101).
 
 Rules post notices by default. A message that starts an agent turn needs the operators'
 allowlist to grant ``turns``, checked when the run acts, not when it was queued, so a revoked
@@ -181,7 +182,9 @@ class RunActions(ArtifactChanges):
         command = PostMessage(
             thread_id=thread, content=content, message_id=message_id, kind="notice"
         )
-        record = self._writes.record(self._run, "notice", "posted", thread, message_id, content)
+        record = self._writes.record(
+            self._run, "notice", "posted", thread, message_id, content, policy="notice"
+        )
         try:
             await self._writes.commit(
                 command, [("message", message_id)], record, doing=f"posting notice {message_id}"
@@ -189,7 +192,13 @@ class RunActions(ArtifactChanges):
         except InvalidState:
             held = await self._writes.held_kind(thread, message_id)
             record = self._writes.record(
-                self._run, held or "notice", "already_posted", thread, message_id, content
+                self._run,
+                held or "notice",
+                "already_posted",
+                thread,
+                message_id,
+                content,
+                policy="notice",
             )
             self.pending.emission(record)
         self._writes.emitted(record)
@@ -212,7 +221,13 @@ class RunActions(ArtifactChanges):
             if await self._writes.held_kind(thread, message_id) == "notice":
                 # an earlier attempt posted it as a notice: no turn waits for it (ADR-0062)
                 record = self._writes.record(
-                    self._run, "notice", "already_posted", thread, message_id, content
+                    self._run,
+                    "notice",
+                    "already_posted",
+                    thread,
+                    message_id,
+                    content,
+                    policy="turn",
                 )
                 self.pending.emission(record)
                 self._writes.emitted(record)
@@ -222,7 +237,9 @@ class RunActions(ArtifactChanges):
                 f"asking for the turn of message {message_id}", lambda: runner.ask(handle, thread)
             )
         self._bridge.turns.started(started, again=lambda: runner.ask(handle, thread))
-        record = self._writes.record(self._run, "message", outcome, thread, message_id, content)
+        record = self._writes.record(
+            self._run, "message", outcome, thread, message_id, content, policy="turn"
+        )
         self.pending.emission(record)
         self._writes.emitted(record, turn=None if started is None else started.run_id)
         return message_id

@@ -29,7 +29,7 @@ from reflexr.core import Run
 from reflexr.workspace import RunFailure
 
 from relayr.core import reasons
-from relayr.core.emissions import POLICY_OF_KIND, EmissionKind, EmissionOutcome, EmissionRecord
+from relayr.core.emissions import EmissionKind, EmissionOutcome, EmissionPolicy, EmissionRecord
 from relayr.core.refusals import Refusal, classify, storage_failure
 from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind
 from relayr.observe import metrics, telemetry
@@ -244,8 +244,11 @@ class Writes:
         thread: str,
         message_id: str,
         content: str,
+        *,
+        policy: EmissionPolicy,
     ) -> EmissionRecord:
-        """The emission record of a notice (``kind`` notice) or a send (message) of ``run``."""
+        """The emission record of ``run``'s notice or message (``kind``: what artifactr holds)
+        on the route the allowlist decided (``policy``: ``notice`` or ``turn``)."""
         return EmissionRecord(
             kind=kind,
             rule=run.rule,
@@ -256,7 +259,7 @@ class Writes:
             workspace_id=self.workspace.workspace_id,
             thread_id=thread,
             message_id=message_id,
-            policy=POLICY_OF_KIND[kind],
+            policy=policy,
             outcome=outcome,
             content=content,
             emitted_at=self._bridge.clock(),
