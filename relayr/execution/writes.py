@@ -31,7 +31,7 @@ from reflexr.workspace import RunFailure
 from relayr.core import reasons
 from relayr.core.emissions import EmissionKind, EmissionOutcome, EmissionPolicy, EmissionRecord
 from relayr.core.refusals import Refusal, classify, storage_failure
-from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind
+from relayr.ledger.port import MADE_WITH_THEIR_WRITE, Cause, LedgerWrites, WorkspaceKey, WriteKind
 from relayr.observe import metrics, telemetry
 from relayr.runtime.bridge import Bridge
 from relayr.runtime.transient import is_storage_error, retried
@@ -142,7 +142,8 @@ class Writes:
         did land is refused as used (``InvalidState``) the second time. When the commit is
         refused, the cause under a key derived from the run waits for the run's completion (an
         earlier attempt made the write, or none will, and a cause without its write is
-        harmless). A revision's does not: another run may make that revision (ADR-0065).
+        harmless). A revision's does not: another run may make that revision (ADR-0065); nor
+        does an edit's, which says the edit was made (ADR-0102).
         """
         handle = await self.handle()
         writes = LedgerWrites()
@@ -160,9 +161,19 @@ class Writes:
         except BaseException:
             if not writes.committed:
                 for kind, key in keys:
-                    if kind != "revision":
+                    if kind not in MADE_WITH_THEIR_WRITE:
                         self.pending.cause(self.workspace, kind, key, self._cause)
             raise
+
+    async def made(self, kind: WriteKind, key: str) -> bool:
+        """Whether this run's write found by ``key`` was made: its row, which rides only the
+        write (:data:`~relayr.ledger.port.MADE_WITH_THEIR_WRITE`), is in the ledger."""
+        ledger = self._bridge.ledger
+        found = await self.guarded(
+            f"reading the ledger for {kind} {key}",
+            lambda: ledger.cause(self.workspace, kind, key),
+        )
+        return found is not None and found.run_id == self._cause.run_id
 
     async def record_cause(self, kind: WriteKind, key: str) -> None:
         """Commit the cause of a write before the write (a send, which starts a turn)."""
