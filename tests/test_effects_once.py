@@ -19,15 +19,13 @@ from typing import Any
 
 import pytest
 from artifactr import Workspaces as ArtifactWorkspaces
-from artifactr.core import EditArtifact, InvalidState, JsonPatch, Rejection
+from artifactr.core import EditArtifact, JsonPatch, Rejection
 from artifactr.sql import SqlStorage, create_sqlite_engine, migrate
 from artifactr.workspace import InMemoryStorage as ArtifactMemory
 from reflexr.workspace import RunFailure
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from relayr.core import reasons
-from relayr.core.allowlist_toml import parse_allowlist
-from relayr.core.refusals import classify
 from relayr.ledger import SqlLedger
 from relayr.runtime.bridge import Bridge
 from tests.test_actions import ALLOWLIST, NOW, TENANT, WORKSPACE, Harness, Timeline
