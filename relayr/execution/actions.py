@@ -23,10 +23,12 @@ artifacts) asks, then writes (:mod:`relayr.execution.writes`).
 The run behind each write is recorded in the ledger under the write's id (a direct write to an
 artifact: the revision it makes, ADR-0065), and each notice or send leaves one emission record
 (ADR-0023). Before a send, which starts a turn, the cause is committed first, on its own. Any
-other write's cause, and a notice's record, ride in the write's own transaction
-(:meth:`relayr.ledger.Ledger.alongside`), so a write that exists always has them. What an
-action learns only after its write (a send's outcome, a notice an earlier attempt posted) waits
-in :func:`pending_writes` for the run's completion, whose transaction carries it.
+other write's cause, and a notice's or a send's record, ride in the write's own transaction
+(:meth:`relayr.ledger.Ledger.alongside`), so a write that exists always has them, whatever
+becomes of its run afterwards (ADR-0103). The record of what a retry found (an earlier
+attempt's write, a turn asked for) is written at once, in a transaction of its own; when the
+ledger keeps failing, the attempt fails ``io_error`` and its retry records it. A cause of a
+write artifactr refused waits in :func:`pending_writes` for the run's completion.
 
 Refusals are reflexr ``RunFailure``s with a reason from :mod:`relayr.core.reasons`, so the
 rule's retry policy decides what follows (:mod:`relayr.core.refusals`, ADR-0060).
@@ -40,7 +42,6 @@ from artifactr.core import CreateThread, InvalidState, PostMessage
 from reflexr.workspace import Reaction, RunFailure
 
 from relayr.core import reasons
-from relayr.core.emissions import EmissionOutcome
 from relayr.core.ids import digest
 from relayr.core.routing import PostOperation, Route, content_refusal, may_create_thread, route
 from relayr.execution.artifact_changes import ArtifactChanges
@@ -200,7 +201,7 @@ class RunActions(ArtifactChanges):
                 content,
                 policy="notice",
             )
-            self.pending.emission(record)
+            await self._writes.write_record(record)
         self._writes.emitted(record)
         return message_id
 
@@ -209,16 +210,15 @@ class RunActions(ArtifactChanges):
         assert runner is not None, "the core routes no send without an agent"
         # a send may start a turn: its cause is committed before anything else (ADR-0023)
         await self._writes.record_cause("message", message_id)
-        handle = await self._writes.handle()
-        outcome: EmissionOutcome = "posted"
-        doing = f"sending message {message_id}"
-        try:
-            sent = await self._writes.guarded(
-                doing, lambda: runner.send(handle, thread, content, message_id=message_id)
-            )
-            started = sent.run
+        posted = self._writes.record(
+            self._run, "message", "posted", thread, message_id, content, policy="turn"
+        )
+        try:  # the record rides the message's commit (ADR-0103)
+            started = (await self._writes.send(runner, thread, content, posted)).run
+            record = posted
         except InvalidState:
-            if await self._writes.held_kind(thread, message_id) == "notice":
+            held = await self._writes.held_kind(thread, message_id)
+            if held == "notice":
                 # an earlier attempt posted it as a notice: no turn waits for it (ADR-0062)
                 record = self._writes.record(
                     self._run,
@@ -229,17 +229,18 @@ class RunActions(ArtifactChanges):
                     content,
                     policy="turn",
                 )
-                self.pending.emission(record)
+                await self._writes.write_record(record)
                 self._writes.emitted(record)
                 return message_id
-            outcome = "asked"
+            handle = await self._writes.handle()
             started = await self._writes.guarded(
                 f"asking for the turn of message {message_id}", lambda: runner.ask(handle, thread)
             )
+            record = self._writes.record(
+                self._run, "message", "asked", thread, message_id, content, policy="turn"
+            )
+            await self._writes.write_record(record)
+        handle = await self._writes.handle()
         self._bridge.turns.started(started, again=lambda: runner.ask(handle, thread))
-        record = self._writes.record(
-            self._run, "message", outcome, thread, message_id, content, policy="turn"
-        )
-        self.pending.emission(record)
         self._writes.emitted(record, turn=None if started is None else started.run_id)
         return message_id
