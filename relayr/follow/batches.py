@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from artifactr import Workspace as ArtifactWorkspace
 from artifactr.core import Envelope as ArtifactrEnvelope
 from reflexr import Event
 from reflexr.core import Causation
@@ -32,7 +31,7 @@ from relayr.follow.events import FOLLOWER
 from relayr.follow.projections import Projection, Source, event_type
 from relayr.follow.reports import CAUSE_MISSING, DEPTH_EXCEEDED, PROJECTION_FAILED
 from relayr.follow.store import DeadLetter
-from relayr.ledger.port import Ledger, WorkspaceKey
+from relayr.ledger.port import Ledger, LedgerWrites, WorkspaceKey
 from relayr.observe import telemetry
 
 if TYPE_CHECKING:
@@ -48,6 +47,8 @@ class Prepared:
     skipped: int = 0
     spans: list["Span"] = field(default_factory=list)
     """With tracing on, a ``relayr.bridge`` span per entry, ended once the batch is published."""
+    kept: LedgerWrites = field(default_factory=LedgerWrites)
+    """The causes of the turns that start in the batch, committed with it (ADR-0104)."""
 
 
 class Batches:
@@ -68,6 +69,7 @@ class Batches:
         clock: Callable[[], datetime],
     ) -> None:
         self._rules = rules
+        self._ledger = ledger
         self._chains = Chains(ledger)
         self._projections = projections
         self._clock = clock
@@ -75,12 +77,11 @@ class Batches:
     async def prepare(
         self,
         key: WorkspaceKey,
-        handle: ArtifactWorkspace,
         envelopes: Sequence[ArtifactrEnvelope],
     ) -> Prepared:
         """Project each envelope and find the chain it continues; what fails is dead."""
-        chains = await self._chains.of_batch(key, handle, envelopes)
-        prepared = Prepared()
+        chains = await self._chains.of_batch(key, envelopes)
+        prepared = Prepared(kept=chains.kept)
         for envelope in envelopes:
             projection = self._projections.get(event_type(envelope))
             if projection is None:
@@ -145,19 +146,22 @@ class Batches:
             )
         return prepared
 
-    async def publish(self, key: WorkspaceKey, entries: Sequence[Entry]) -> tuple[int, int]:
+    async def publish(self, key: WorkspaceKey, prepared: Prepared) -> tuple[int, int]:
         """Append the entries whose ids are not in reflexr's log yet, in one transaction, as
-        ``Workspace.publish_many`` appends; return how many were appended and found."""
-        if not entries:
-            return 0, 0
-        rules = await self._rules.open(key.tenant_id, key.workspace_id, actor=FOLLOWER)
-        await rules.check(Access(action="reflexr:publish"))
-        ref = WorkspaceRef(key.tenant_id, key.workspace_id)
-        async with self._rules.storage.transaction(ref) as transaction:
-            await meet_rules(transaction, self._rules.rules.values())
-            fresh = [entry for entry in entries if await transaction.envelope(entry.id) is None]
-            if fresh:
-                await transaction.append(fresh)
+        ``Workspace.publish_many`` appends, with the causes of the batch's turns riding it;
+        return how many were appended and found."""
+        entries = prepared.entries
+        async with self._ledger.alongside(prepared.kept):
+            if not entries:
+                return 0, 0
+            rules = await self._rules.open(key.tenant_id, key.workspace_id, actor=FOLLOWER)
+            await rules.check(Access(action="reflexr:publish"))
+            ref = WorkspaceRef(key.tenant_id, key.workspace_id)
+            async with self._rules.storage.transaction(ref) as transaction:
+                await meet_rules(transaction, self._rules.rules.values())
+                fresh = [e for e in entries if await transaction.envelope(e.id) is None]
+                if fresh:
+                    await transaction.append(fresh)
         return len(fresh), len(entries) - len(fresh)
 
     def _dead(

@@ -14,13 +14,15 @@ from typing import Literal, Protocol
 
 from relayr.core.emissions import EmissionRecord
 
-type WriteKind = Literal["message", "thread", "proposal", "revision", "artifact", "edit"]
+type WriteKind = Literal["message", "thread", "proposal", "revision", "artifact", "edit", "turn"]
 """What a cause's key names (ADR-0023): a message, a thread or a proposal by its id, derived from
 the run; a direct write to an artifact by the revision it made (:func:`revision_key`), since an
 artifact's id is shared by every run that writes it. ``artifact`` (a direct write by its
 artifact's id) is what relayr recorded before revisions, read only for writes made then.
 ``edit`` is a direct edit by the edit's own key (:func:`edit_key`), a row that rides only the
-edit's write, so a retry finds the edit made (ADR-0102)."""
+edit's write, so a retry finds the edit made (ADR-0102); ``turn`` an agent's turn by its id: the
+cause the follower found from the turn's messages, kept so that every later envelope of the turn
+finds it in the ledger alone (ADR-0104)."""
 
 MADE_WITH_THEIR_WRITE: frozenset[WriteKind] = frozenset({"revision", "edit"})
 """The kinds of row that say their write was made: committed with it or not at all, never on
