@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from relayr.core import reasons
 from relayr.core.refusals import classify
+from relayr.execution.actions import acting
 from relayr.ledger import SqlLedger
 from relayr.runtime.bridge import Bridge
 from tests.test_actions import KEY, NOW, TENANT, WORKSPACE, Harness, Timeline
@@ -286,3 +287,23 @@ async def test_a_record_the_ledger_cannot_write_fails_the_attempt_io_error_and_t
     run_id = (await harness.reaction("ops:notify", thread)).run_id
     records = await harness.ledger.emissions(KEY, run_id)
     assert [(r.attempt, r.outcome) for r in records] == [(1, "posted"), (3, "already_posted")]
+
+
+async def test_a_post_whose_record_cannot_validate_is_refused_before_anything_is_written(
+    harness: OnceHarness,
+) -> None:
+    """The request is checked whole, its record included, at the boundary (ADR-0105)."""
+    thread = await harness.thread()
+    reaction = await harness.reaction("ops:triage", thread)
+    reaction.run = reaction.run.model_copy(update={"attempts": 3, "epoch": 2})
+    actions = acting(reaction)
+
+    for write in (actions.notice, actions.send):
+        with pytest.raises(RunFailure) as refused:
+            await write("Triage incident: db down")
+        assert (refused.value.reason, refused.value.permanent) == ("invalid_emission", True)
+        assert "INVALID_CONTEXT" in refused.value.message
+
+    assert await harness.messages(thread) == []
+    assert await harness.ledger.emissions(KEY, reaction.run_id) == []
+    assert not actions.pending

@@ -66,6 +66,10 @@ CODES: Final = (
     "MISSING_FIELD",
     "INVALID_SCHEMA_VERSION",
     "INVALID_FIELD",
+    "INVALID_SENDER",
+    "INVALID_CONTEXT",
+    "INVALID_ORIGIN",
+    "INVALID_PATH",
     "INVALID_KIND",
     "INVALID_POLICY",
     "INVALID_OUTCOME",
@@ -74,10 +78,22 @@ CODES: Final = (
     "INVALID_JSON",
 )
 """Every named rejection of a record, in the order they are looked for: a record wrong in two
-ways is refused with the first."""
+ways is refused with the first. Each names what a reader of the record needs (ADR-0105):
+``INVALID_SENDER`` the rule that emitted (``rule``), ``INVALID_CONTEXT`` the run it emitted in
+(``run_id``, ``attempt``, ``epoch``, ``tenant_id``, ``workspace_id``: an attempt is never past
+its epoch), ``INVALID_ORIGIN`` the thread it went to (``thread_id``), ``INVALID_PATH`` where it
+is found (``message_id``). ``INVALID_FIELD`` is what no other code names."""
 
 _CODE_OF_FIELD: Final = {
     "schema_version": "INVALID_SCHEMA_VERSION",
+    "rule": "INVALID_SENDER",
+    "run_id": "INVALID_CONTEXT",
+    "attempt": "INVALID_CONTEXT",
+    "epoch": "INVALID_CONTEXT",
+    "tenant_id": "INVALID_CONTEXT",
+    "workspace_id": "INVALID_CONTEXT",
+    "thread_id": "INVALID_ORIGIN",
+    "message_id": "INVALID_PATH",
     "kind": "INVALID_KIND",
     "policy": "INVALID_POLICY",
     "outcome": "INVALID_OUTCOME",
@@ -117,6 +133,8 @@ def _content(value: object) -> str:
 
 
 _Id = Annotated[StrictStr, Field(min_length=1)]
+_Name = Annotated[StrictStr, Field(min_length=1, pattern=r"^\S+$")]
+"""An id or a rule's name: no storage or participant holds one with a space."""
 _Count = Annotated[StrictInt, Field(ge=1)]
 _Timestamp = Annotated[
     datetime,
@@ -176,14 +194,14 @@ class EmissionRecord(BaseModel):
     )
 
     kind: EmissionKind
-    rule: _Id
+    rule: _Name
     run_id: _Id
     attempt: _Count
     epoch: _Count
     tenant_id: _Id
     workspace_id: _Id
-    thread_id: _Id
-    message_id: _Id
+    thread_id: _Name
+    message_id: _Name
     policy: EmissionPolicy
     outcome: EmissionOutcome
     content: _Content
@@ -198,6 +216,12 @@ class EmissionRecord(BaseModel):
             record = handler(data)
         except ValidationError as invalid:
             raise _named_error(invalid, data) from None
+        if record.attempt > record.epoch:
+            raise InvalidEmission(
+                "INVALID_CONTEXT",
+                f"attempt {record.attempt} is past epoch {record.epoch}: an attempt counts "
+                "from 1 again after an operator's retry, an epoch never goes back",
+            )
         if POLICY_OF_KIND[record.kind] != record.policy and record.outcome != OTHER_ROUTE_OUTCOME:
             raise InvalidEmission(
                 "INVALID_POLICY",
@@ -268,6 +292,8 @@ def _message(error: ErrorDetails, data: Any) -> str:
         return f"{field} {given!r} is not one of {sorted(_CHOICES[field])}"
     if field in ("attempt", "epoch"):
         return f"{field} must be a positive integer, not {given!r}"
+    if field in ("rule", "thread_id", "message_id"):
+        return f"{field} must be a non-empty string without spaces, not {given!r}"
     return f"{field} must be a non-empty string"
 
 

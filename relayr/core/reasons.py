@@ -87,6 +87,10 @@ REJECTED: Final = "rejected"
 a protocol it does not support, or one a later release adds); the message keeps artifactr's
 code. Permanent."""
 
+INVALID_EMISSION: Final = "invalid_emission"
+"""The emission record of a post does not validate (its named code in the message), checked
+before anything is written. Permanent."""
+
 IO_ERROR: Final = "io_error"
 """The emission record of a write artifactr holds could not be written to the ledger past
 relayr's own bounded retries. Retried: the retry finds the write and records it."""
@@ -136,6 +140,7 @@ WRITE_REFUSALS: Final = frozenset(
         INVALID_STATE,
         STORAGE_UNAVAILABLE,
         REJECTED,
+        INVALID_EMISSION,
         IO_ERROR,
     }
 )

@@ -208,11 +208,11 @@ class RunActions(ArtifactChanges):
     async def _send(self, content: str, thread: str, message_id: str) -> str:
         runner = self._bridge.runner
         assert runner is not None, "the core routes no send without an agent"
-        # a send may start a turn: its cause is committed before anything else (ADR-0023)
-        await self._writes.record_cause("message", message_id)
         posted = self._writes.record(
             self._run, "message", "posted", thread, message_id, content, policy="turn"
         )
+        # a send may start a turn: its cause is committed before anything else (ADR-0023)
+        await self._writes.record_cause("message", message_id)
         try:  # the record rides the message's commit (ADR-0103)
             started = (await self._writes.send(runner, thread, content, posted)).run
             record = posted

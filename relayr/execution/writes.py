@@ -31,6 +31,7 @@ from reflexr.workspace import RunFailure
 
 from relayr.core import reasons
 from relayr.core.emissions import EmissionKind, EmissionOutcome, EmissionPolicy, EmissionRecord
+from relayr.core.errors import InvalidEmission
 from relayr.core.refusals import Refusal, classify, record_failure, storage_failure
 from relayr.ledger.port import MADE_WITH_THEIR_WRITE, Cause, LedgerWrites, WorkspaceKey, WriteKind
 from relayr.observe import metrics, telemetry
@@ -333,22 +334,37 @@ class Writes:
         policy: EmissionPolicy,
     ) -> EmissionRecord:
         """The emission record of ``run``'s notice or message (``kind``: what artifactr holds)
-        on the route the allowlist decided (``policy``: ``notice`` or ``turn``)."""
-        return EmissionRecord(
-            kind=kind,
-            rule=run.rule,
-            run_id=run.id,
-            attempt=run.attempts,
-            epoch=run.epoch,
-            tenant_id=self.workspace.tenant_id,
-            workspace_id=self.workspace.workspace_id,
-            thread_id=thread,
-            message_id=message_id,
-            policy=policy,
-            outcome=outcome,
-            content=content,
-            emitted_at=self._bridge.clock(),
-        )
+        on the route the allowlist decided (``policy``: ``notice`` or ``turn``).
+
+        Built, so validated, before the write it records is made (ADR-0105).
+
+        Raises:
+            RunFailure: ``invalid_emission`` (permanent), naming the record's code, if it does
+                not validate: nothing is written.
+        """
+        try:
+            return EmissionRecord(
+                kind=kind,
+                rule=run.rule,
+                run_id=run.id,
+                attempt=run.attempts,
+                epoch=run.epoch,
+                tenant_id=self.workspace.tenant_id,
+                workspace_id=self.workspace.workspace_id,
+                thread_id=thread,
+                message_id=message_id,
+                policy=policy,
+                outcome=outcome,
+                content=content,
+                emitted_at=self._bridge.clock(),
+            )
+        except InvalidEmission as invalid:
+            refusal = Refusal(
+                reasons.INVALID_EMISSION,
+                f"the record of {kind} {message_id} of run {run.id} is refused, "
+                f"{invalid.code}: {invalid.message}",
+            )
+            raise self.refused(refusal, kind, thread_id=thread) from None
 
     def emitted(self, record: EmissionRecord, *, turn: str | None = None) -> None:
         """Count and log one emission, and say what it did on the write's span."""
