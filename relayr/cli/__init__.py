@@ -10,7 +10,7 @@ The commands, by family, each in a module of its own:
 
 - :mod:`relayr.cli.serve`: ``relayr worker``, ``relayr dispatch`` and ``relayr run``;
 - :mod:`relayr.cli.publish` and :mod:`relayr.cli.threads`: ``relayr publish``,
-  ``relayr thread create`` and ``relayr thread show``, to try rules by hand;
+  ``relayr thread create``, ``post`` and ``show``, to try rules by hand;
 - :mod:`relayr.cli.demo`: ``relayr demo``;
 - :mod:`relayr.cli.follow`: ``relayr follow``, the followers alone, and their dead letters;
 - :mod:`relayr.cli.allowlist`, :mod:`relayr.cli.runs`, :mod:`relayr.cli.health`: the operators'
