@@ -1,24 +1,12 @@
 """``relayr console``: the ops console in the browser (:mod:`relayr.console`), served by uvicorn.
 
-The console runs on the same settings and storage as every other command, the embedded
-defaults included: one runtime of this process, opened in the loop uvicorn serves on (the
-libraries' engines belong to the loop that made them), and the enqueue ``relayr runs retry``
-uses, so a retry from the browser is the command line's retry.
-
-It binds to loopback unless ``--host`` says otherwise, and reads only unless
-``RELAYR_CONSOLE_TOKEN`` is set (ADR-0070). Wherever it listens, it answers only requests
-addressed to an IP address, ``localhost`` or a name given with ``--allowed-host`` (DNS
-rebinding: :mod:`relayr.console.security`); ``--https-only`` marks its session cookie Secure
-behind a proxy that terminates TLS. The settings are read, then the address is bound, before
-the runtime is opened: invalid settings, a malformed ``--allowed-host``, a port in use and an
-application that cannot load are each bad input (exit code 2). ``--port 0`` takes a free port;
-the line the command prints names the one it took.
-
-``relayr console --probe`` asks a running console's ``/healthz`` (exit 0, or 1 when it does not
-answer): the health check of a deployment that runs it.
-
-Starlette, Jinja2 and uvicorn are imported when the command runs, never for ``--help``
-(ADR-0050).
+Same settings and storage as every command; a retry from the browser is ``relayr runs retry``'s.
+It binds to loopback unless ``--host`` says otherwise, acts only with ``RELAYR_CONSOLE_TOKEN``
+set, and answers only IP addresses, ``localhost`` and ``--allowed-host`` names (ADR-0070).
+Invalid settings, a malformed ``--allowed-host``, a port in use or an application that cannot
+load are bad input (exit 2), and so is a missing ``console`` extra, named (ADR-0111).
+``--port 0`` takes a free port and prints it; ``--probe`` asks a running console's
+``/healthz``.
 """
 
 import re
@@ -47,6 +35,16 @@ WILDCARDS: Final = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 ANY_HOST: Final = "*"
 """``--allowed-host``'s value that answers every host name (a proxy in front checks them)."""
+
+CONSOLE_EXTRA: Final = {
+    "starlette": "starlette",
+    "jinja2": "jinja2",
+    "uvicorn": "uvicorn",
+    "python_multipart": "python-multipart",
+    "itsdangerous": "itsdangerous",
+}
+"""What the console imports from the ``console`` extra, by module, with the distribution that
+provides each: a worker installs relayr without them (ADR-0111)."""
 
 HOST_NAME: Final = re.compile(
     r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*"
@@ -99,6 +97,7 @@ def console(
     if probe:
         _probe(host, port)
         return
+    require_the_extra()
     hosts = parse_allowed_hosts(allowed_hosts)
     settings = load_settings(log_level="INFO")
     if settings.console_token is None:
@@ -110,6 +109,27 @@ def console(
         _serve(settings, listener, access, hosts, https_only)
     finally:
         listener.close()
+
+
+def require_the_extra() -> None:
+    """Import the console's web stack, or stop: bad input naming the extra to install.
+
+    Raises:
+        BadInput: Naming the ``console`` extra and the distributions that are missing.
+    """
+    import importlib
+
+    missing = []
+    for module, distribution in CONSOLE_EXTRA.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(distribution)
+    if missing:
+        fail(
+            f"relayr console needs the console extra ({', '.join(missing)} not installed): "
+            "pip install 'relayr[console]'"
+        )
 
 
 def parse_allowed_hosts(values: Sequence[str]) -> frozenset[str] | None:

@@ -53,7 +53,7 @@ def thread_create(where: str, title: str, as_json: bool) -> None:
     settings = load_settings()
 
     async def main() -> str:
-        from relayr.runtime.parts import opened_artifacts
+        from relayr.runtime.application_parts import opened_artifacts
 
         async with opened_artifacts(settings) as artifacts:
             handle = await artifacts.open(
@@ -83,7 +83,7 @@ def thread_show(where: str, thread_id: str, as_json: bool) -> None:
     async def main() -> list[ThreadEntry]:
         from artifactr.core import NotFound
 
-        from relayr.runtime.parts import opened_artifacts
+        from relayr.runtime.application_parts import opened_artifacts
 
         async with opened_artifacts(settings) as artifacts:
             handle = await artifacts.open(
@@ -134,7 +134,7 @@ def thread_post(where: str, thread_id: str, content: str, notice: bool, as_json:
     async def main() -> str:
         from artifactr.core import NotFound, new_message_id
 
-        from relayr.runtime.parts import opened_artifacts
+        from relayr.runtime.application_parts import opened_artifacts
 
         message_id = new_message_id()
         async with opened_artifacts(settings) as artifacts:

@@ -1,16 +1,9 @@
 """What the console's buttons do: the command line's own operations on runs, nothing else.
 
-Each action is the call ``relayr runs`` makes (:mod:`relayr.ops.runs`), with the same enqueue
-(:func:`relayr.cli.runs.enqueuer`, handed in by ``relayr console``), so a run retried from the
-browser is retried exactly as ``relayr runs retry`` retries it: reflexr's operator retry, then
-an enqueue that rides out a broker restart and, when the broker stays down, leaves the run
-retried for the dispatcher (ADR-0034).
-
-Retrying the dead runs of a filter takes two steps. The preview is ``relayr runs retry --dead
---dry-run``: the dead runs the filter selects now, each as the dry run judges it. The
-confirmation names those runs, and only those: a run that died after the preview is not
-retried by it, and a run of the preview that is no longer dead (someone retried it meanwhile)
-is reported and left alone.
+Each action is the call ``relayr runs`` makes (:mod:`relayr.ops.runs`) with the same enqueue, so
+a retry from the browser is ``relayr runs retry`` (ADR-0034). Retrying a filter's dead runs is a
+preview (``--dead --dry-run``) then a confirmation that retries only the runs the preview named
+and still dead.
 """
 
 from collections.abc import Sequence
@@ -19,7 +12,7 @@ from typing import Final
 
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.rows import RunRow, list_runs
-from relayr.ops.runs import Done, EnqueueRun, cancel, find_runs, retry, skip
+from relayr.ops.runs import EnqueueRun, OperatorResult, cancel, find_runs, retry, skip
 from relayr.runtime.process import Runtime
 
 from .queries import RunQuery
@@ -48,19 +41,19 @@ class Preview:
     """What retrying the dead runs of a filter would do (``runs retry --dead --dry-run``)."""
 
     query: RunQuery
-    results: list[Done]
+    results: list[OperatorResult]
     more: int
     """Dead runs of the filter past :data:`BULK_RETRY_MAX`, left for the next preview."""
 
     @property
-    def retried(self) -> list[Done]:
+    def retried(self) -> list[OperatorResult]:
         """The runs a confirmation would retry."""
         return [result for result in self.results if result.ok]
 
 
 async def retry_one(
     runtime: Runtime, enqueue: EnqueueRun, run_id: str, workspace: WorkspaceKey | None
-) -> list[Done]:
+) -> list[OperatorResult]:
     """``relayr runs retry RUN``: reflexr's operator retry, then an enqueue."""
     rules = runtime.application.rules
     found, missing = await _find(runtime, [(workspace, run_id)])
@@ -69,7 +62,7 @@ async def retry_one(
 
 async def cancel_one(
     runtime: Runtime, run_id: str, workspace: WorkspaceKey | None, *, reason: str
-) -> list[Done]:
+) -> list[OperatorResult]:
     """``relayr runs cancel RUN --reason R``."""
     found, missing = await _find(runtime, [(workspace, run_id)])
     return [*missing, *await cancel(runtime.application.rules, found, reason=reason)]
@@ -77,7 +70,7 @@ async def cancel_one(
 
 async def skip_one(
     runtime: Runtime, run_id: str, workspace: WorkspaceKey | None, *, reason: str
-) -> list[Done]:
+) -> list[OperatorResult]:
     """``relayr runs skip RUN --reason R``."""
     found, missing = await _find(runtime, [(workspace, run_id)])
     return [*missing, *await skip(runtime.application.rules, found, reason=reason)]
@@ -94,12 +87,14 @@ async def preview_retry(runtime: Runtime, enqueue: EnqueueRun, query: RunQuery) 
 
 async def confirm_retry(
     runtime: Runtime, enqueue: EnqueueRun, refs: Sequence[RunRef]
-) -> list[Done]:
+) -> list[OperatorResult]:
     """Retry the runs a preview listed that are still dead, as ``relayr runs retry RUN...``."""
     found, missing = await _find(runtime, [(ref.workspace, ref.run_id) for ref in refs])
     dead = [row for row in found if row.status == "dead"]
     moved = [
-        Done(row.id, str(row.workspace), False, f"no longer dead ({row.status}): not retried")
+        OperatorResult(
+            row.id, str(row.workspace), False, f"no longer dead ({row.status}): not retried"
+        )
         for row in found
         if row.status != "dead"
     ]
@@ -108,7 +103,7 @@ async def confirm_retry(
 
 async def _find(
     runtime: Runtime, named: Sequence[tuple[WorkspaceKey | None, str]]
-) -> tuple[list[RunRow], list[Done]]:
+) -> tuple[list[RunRow], list[OperatorResult]]:
     """The runs named, and a refusal for each that does not exist
     (:func:`relayr.ops.runs.find_runs`).
 

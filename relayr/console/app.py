@@ -1,24 +1,11 @@
 """The console's ASGI app: server-rendered pages over the runtime, and the actions' POSTs.
 
-:func:`create_app` builds a Starlette app on a :class:`Console`: the process's one runtime
-(opened by ``relayr console`` in the loop uvicorn serves on, as every relayr process opens
-its own: ADR-0004), the enqueue ``relayr runs retry`` uses, the host names it answers to, and
-whether it is reached over HTTPS.
-Pages read (:mod:`relayr.console.reads`); actions change runs (:mod:`relayr.console.actions`)
-only for a logged-in session and only by a POST carrying its CSRF token
-(:mod:`relayr.console.security`, ADR-0070), its fields checked first
-(:mod:`relayr.console.forms`). Templates are Jinja2 with autoescape on, so nothing stored is
-ever rendered as markup; the pages carry no script (:mod:`relayr.console.rendering`).
-
-Pages:
-
-- ``/runs``: runs across every workspace, newest created first, filtered and paginated;
-- ``/run?id=&workspace=``: one run whole, with its actions;
-- ``/thread?workspace=&id=``: a thread's transcript;
-- ``/allowlist``: what every rule may do, and which entry said so;
-- ``/health``: heartbeats, broker, database, queue depth, followers;
-- ``/retry-dead?...``: the preview of retrying a filter's dead runs, then its confirmation;
-- ``/login``, ``/logout``; ``/healthz`` (``ok``, for probes; reads nothing).
+:func:`create_app` builds a Starlette app on a :class:`Console` (the process's one runtime, the
+enqueue ``relayr runs retry`` uses, the host names it answers to). Pages read
+(:mod:`relayr.console.reads`); actions (:mod:`relayr.console.actions`) need a logged-in session
+and a POST with its CSRF token (:mod:`relayr.console.security`, ADR-0070). Pages: ``/runs``,
+``/run``, ``/thread``, ``/allowlist``, ``/health``, ``/retry-dead``, ``/login``, ``/logout``, and
+``/healthz`` for probes.
 """
 
 import time
@@ -40,7 +27,7 @@ from starlette.staticfiles import StaticFiles
 
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.rows import AmbiguousRun
-from relayr.ops.runs import Done, EnqueueRun, not_enqueued
+from relayr.ops.runs import EnqueueRun, OperatorResult, not_enqueued
 from relayr.runtime.process import Runtime
 from relayr.settings import redact
 
@@ -279,7 +266,9 @@ def create_app(console: Console) -> Starlette:
         results = await actions.confirm_retry(runtime, console.enqueue, refs)
         return done(request, "Retry dead runs", results, back=href("/runs", query.params()))
 
-    def done(request: Request, action: str, results: list[Done], *, back: str) -> Response:
+    def done(
+        request: Request, action: str, results: list[OperatorResult], *, back: str
+    ) -> Response:
         logger.info(
             "console action",
             action=action,

@@ -1,17 +1,11 @@
 """Emission records: one durable, validated record of each notice or send a run made.
 
-The record says what was emitted, by which rule and run, where, by which route (``policy``)
-and with which outcome. Its ``kind`` says what artifactr holds: a retried post whose first
-attempt posted a notice is recorded as that notice, whatever the allowlist says now (ADR-0062).
-Its ``policy`` says the route the allowlist decided for this attempt: the same retried post
-after ``turns`` was granted went the send route and records ``turn`` (ADR-0101). The two
-differ only for a write an earlier attempt made (``already_posted``). A record is validated
-when it is written and again when it is read; a bad one is refused with a named code
-(:data:`CODES`) and never stored, so what ops read back is always a record this schema allows.
-
-The record is a pydantic model, so its JSON Schema is published with the repository
-(``docs/emission-record.schema.json``, :func:`json_schema`; a test keeps the two equal). Pure:
-no clock, no I/O.
+A record says what was emitted, by which rule and run, where, by which route and with which
+outcome. Its ``kind`` is what artifactr holds (ADR-0062); its ``policy`` is the route the
+allowlist decided for this attempt, which differs from the kind's only for an earlier attempt's
+write (``already_posted``, ADR-0101). It is validated when written and when read; a bad one is
+refused with a code from :data:`CODES` (ADR-0105). Its JSON Schema is
+``docs/emission-record.schema.json`` (:func:`json_schema`). Pure.
 """
 
 import json
