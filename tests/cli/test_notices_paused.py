@@ -7,6 +7,7 @@ nothing to take; a person's message then answers the question and resumes it, so
 a resumption when there is one.
 """
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -99,7 +100,9 @@ async def test_a_rules_notice_and_a_persons_resume_no_paused_run(tmp_path: Path)
         assert paused.status == "paused"
 
         await acting(await harness.reaction("ops:notify", thread)).notice("db-2 is degraded")
-        person_notice = post_notice(relayr_environment(tmp_path), thread, "on-call: alice")
+        # in a thread: this process's loop goes on meanwhile, so no task of it holds the file
+        environment = relayr_environment(tmp_path)
+        person_notice = await asyncio.to_thread(post_notice, environment, thread, "on-call: alice")
         assert await runner.ask(person, thread) is None
         await runner.drain()
 
