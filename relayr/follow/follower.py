@@ -253,9 +253,9 @@ class Followers:
             if not envelopes:
                 break
             done.read += len(envelopes)
-            prepared = await self._batches.prepare(key, handle, envelopes)
+            prepared = await self._batches.prepare(key, envelopes)
             try:
-                bridged, duplicates = await self._batches.publish(key, prepared.entries)
+                bridged, duplicates = await self._batches.publish(key, prepared)
             finally:
                 for span in prepared.spans:
                     telemetry.end(span)
@@ -399,9 +399,9 @@ class Followers:
             for envelope in await handle.read(after_seq=letter.seq - 1, limit=1)
             if envelope.id == letter.envelope_id
         ]
-        prepared = await self._batches.prepare(key, handle, envelopes)
+        prepared = await self._batches.prepare(key, envelopes)
         try:
-            await self._batches.publish(key, prepared.entries)
+            await self._batches.publish(key, prepared)
         finally:
             for span in prepared.spans:
                 telemetry.end(span)
