@@ -37,6 +37,7 @@ from bench.stamps import NoticeWatch
 from bench.workers import RelayrProcess, relayr_environment, start_worker
 from relayr.core.run_messages import RunMessage
 from relayr.demo import CLI_USER, DEPLOYS_PER_THREAD
+from relayr.dispatch.changes import Changes
 from relayr.dispatch.dispatcher import Dispatcher, DispatchPass, Enqueue
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -102,8 +103,8 @@ class CountingDispatcher(Dispatcher):
     passes = 0
     copies = 0
 
-    async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
-        done = await super().pass_once(enqueue)
+    async def pass_once(self, enqueue: Enqueue, changes: Changes | None = None) -> DispatchPass:
+        done = await super().pass_once(enqueue, changes)
         self.passes += 1
         self.copies += done.again
         return done

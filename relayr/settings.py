@@ -7,6 +7,7 @@ defaults need no server: SQLite and the ``filesystem://`` broker under ``RELAYR_
 end in ``_s`` and must order: soft time limit < hard time limit < the broker's visibility timeout.
 """
 
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -14,16 +15,25 @@ from pathlib import Path
 from typing import Annotated, Any, Final, Literal, Self
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import AfterValidator, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import ErrorDetails, PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
 
 from relayr.core.errors import InvalidSettings
+from relayr.core.fairness import parse_weights
 
 type LogFormat = Literal["json", "console"]
 
@@ -101,6 +111,24 @@ def _console_token(value: SecretStr) -> SecretStr:
     return value
 
 
+def _weights(value: object) -> dict[str, float]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise PydanticCustomError(
+                "unusable", 'expected a JSON object of tenants\' weights, {"acme": 2}'
+            ) from None
+    if not isinstance(value, dict):
+        raise PydanticCustomError(
+            "unusable", 'expected a JSON object of tenants\' weights, {"acme": 2}'
+        )
+    try:
+        return parse_weights(value)
+    except ValueError as wrong:
+        raise PydanticCustomError("unusable", str(wrong)) from None
+
+
 _Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 """A positive, finite number of seconds."""
 
@@ -128,7 +156,18 @@ class Settings(BaseSettings):
         max_redeliveries: How many times a task that killed its worker is delivered again
             before its run is failed (``worker_lost``) instead.
         turn_grace_s: How long a stopping worker lets the agent turns it started finish.
-        dispatch_interval_s: How long the dispatcher waits between passes.
+        dispatch_interval_s: How often the dispatcher passes at least when nothing changed:
+            schedules' ticks, the due list (retries, lapsed leases, lost messages), its
+            heartbeat; and how often ``relayr follow`` follows every workspace.
+        dispatch_sweep_s: How often the dispatcher compares every workspace's head with what
+            it evaluated and followed, in case a change notification was lost.
+        fair_messages: How many messages of one workspace may wait in the broker at once; the
+            rest of its due runs wait in the dispatcher, handed out fairly between workspaces
+            and tenants as workers take messages.
+        tenant_weights: Tenants' shares of the hand-out (``RELAYR_TENANT_WEIGHTS``, a JSON
+            object such as ``{"acme": 2}``); a tenant not named weighs 1.
+        dispatch_shards: Into how many shards workspaces are split between dispatchers, each
+            held under a lease; every dispatcher of a deployment must use the same number.
         broker_poll_interval_s: How long an idle worker of the embedded broker goes at most
             without looking at its queue (``RELAYR_BROKER_POLL_INTERVAL_S``). It is woken the
             moment a message lands (inotify), so this bounds only what a missed notification
@@ -162,6 +201,12 @@ class Settings(BaseSettings):
     max_redeliveries: Annotated[int, Field(ge=0)] = 3
     turn_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 30.0
     dispatch_interval_s: _Seconds = 1.0
+    dispatch_sweep_s: _Seconds = 30.0
+    fair_messages: Annotated[int, Field(ge=1)] = 2
+    tenant_weights: Annotated[dict[str, float], NoDecode, BeforeValidator(_weights)] = Field(
+        default_factory=dict
+    )
+    dispatch_shards: Annotated[int, Field(ge=1, le=4096)] = 64
     broker_poll_interval_s: _Seconds = 0.05
     requeue_after_s: _Seconds = 60.0
     otel: bool | None = None
@@ -318,8 +363,16 @@ def _problem(error: ErrorDetails) -> str:
     if kind in ("unnamed", "secret"):
         return f"{variable} is invalid: {error['msg']}"
     if kind in ("greater_than", "greater_than_equal"):
-        number = int(given) if field == "max_redeliveries" else float(given)
-        limit = "it must be above 0" if kind == "greater_than" else "it cannot be negative"
+        whole = ("max_redeliveries", "fair_messages", "dispatch_shards")
+        number = int(given) if field in whole else float(given)
+        least = (error.get("ctx") or {}).get("ge", 0)
+        limit = (
+            "it must be above 0"
+            if kind == "greater_than"
+            else f"it must be at least {least}"
+            if least
+            else "it cannot be negative"
+        )
         return f"{variable}={number} is invalid: {limit}"
     problem = error["msg"] if kind == "unusable" else _PROBLEMS.get(kind, error["msg"].lower())
     shown = redact(given) if isinstance(given, str) else given

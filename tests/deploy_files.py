@@ -74,11 +74,19 @@ def containers(deployment: Mapping[str, Any]) -> list[dict[str, Any]]:
     return list(deployment["spec"]["template"]["spec"]["containers"])
 
 
+UNIT_INSTANCE = "9102"
+"""The instance a template unit (``name@.service``) is read as: the dispatcher's metrics port."""
+
+
 def unit(path: Path) -> dict[str, list[tuple[str, str]]]:
-    """A systemd unit as {section: [(key, value), ...]}: keys may repeat."""
+    """A systemd unit as {section: [(key, value), ...]}: keys may repeat. A template's ``%i``
+    is read as :data:`UNIT_INSTANCE`."""
     sections: dict[str, list[tuple[str, str]]] = {}
     section = ""
-    for raw in path.read_text().splitlines():
+    text = path.read_text()
+    if path.name.endswith("@.service"):
+        text = text.replace("%i", UNIT_INSTANCE)
+    for raw in text.splitlines():
         line = raw.strip()
         if not line or line.startswith(("#", ";")):
             continue

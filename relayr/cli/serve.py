@@ -151,14 +151,15 @@ async def serve_dispatcher(
     ``relayr health --dispatcher``: a pass stuck on storage stops the beat (ADR-0031). With
     ``follow``, each pass first follows artifactr's logs (ADR-0065).
     """
+    from relayr.dispatch.changes import Changes
     from relayr.dispatch.dispatcher import Dispatcher, DispatchPass, Enqueue
     from relayr.observe.health import heartbeat_path, touch_heartbeat
 
     heartbeat = heartbeat_path(runtime.settings.home, "dispatcher")
 
     class BeatingDispatcher(Dispatcher):
-        async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
-            done = await super().pass_once(enqueue)
+        async def pass_once(self, enqueue: Enqueue, changes: Changes | None = None) -> DispatchPass:
+            done = await super().pass_once(enqueue, changes)
             touch_heartbeat(heartbeat)
             return done
 

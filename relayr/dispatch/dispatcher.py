@@ -1,19 +1,24 @@
 """The dispatcher: decide which runs exist, and hand each due run to a queue, once per attempt.
 
-Each pass follows every workspace's artifactr log into reflexr (ADR-0065), ticks schedules,
-evaluates the rules (:mod:`relayr.dispatch.evaluation`), then enqueues the due runs of each
-workspace, up to :data:`relayr.core.run_messages.MAX_BATCH_RUNS` per message (a run whose last
-attempt was abandoned goes alone). The store is the truth (ADR-0001): the dispatcher remembers
-only which attempt it enqueued, and enqueues again a run whose message it presumes lost,
-:attr:`~relayr.settings.Settings.requeue_after_s` after the queue shows it (ADR-0003). A
-duplicate costs one declined claim, never a second attempt; any number of dispatchers can run.
+Woken by the store (:mod:`relayr.dispatch.changes`, ADR-0091), a pass follows the artifactr
+logs that moved into reflexr (ADR-0065) and evaluates the reflexr workspaces that moved
+(:mod:`relayr.dispatch.evaluation`), at most :data:`EVALUATION_BATCH` a pass; a slow sweep
+catches a lost notification, and schedules and the due list are read on time. Due runs wait in
+a fair queue and go out between tenants and workspaces in turn, at most ``fair_messages``
+messages of a workspace in the broker (ADR-0093), up to
+:data:`relayr.core.run_messages.MAX_BATCH_RUNS` per message (a run whose last attempt was
+abandoned goes alone). In :meth:`Dispatcher.serve` a dispatcher decides only the workspaces of
+the shards it holds (:mod:`relayr.dispatch.shards`, ADR-0092), so any number can run. The store
+is the truth (ADR-0001): the dispatcher remembers only which attempt it enqueued, and enqueues
+again a run whose message it presumes lost, :attr:`~relayr.settings.Settings.requeue_after_s`
+after the queue shows it (ADR-0003). A duplicate costs one declined claim, never a second
+attempt.
 """
 
 import asyncio
 import contextlib
-import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Final
@@ -24,8 +29,11 @@ from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
 from relayr import broker
 from relayr.core import reasons
+from relayr.core.fairness import FairQueue, Message
 from relayr.core.run_messages import MAX_BATCH_RUNS, RunMessage
-from relayr.dispatch.evaluation import evaluate_all
+from relayr.dispatch.changes import ChangeFeed, Changes, Workspace, feed_for
+from relayr.dispatch.evaluation import evaluate_each
+from relayr.dispatch.shards import InMemoryShardStore, Shards, SqlShardStore
 from relayr.observe import telemetry
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -38,6 +46,9 @@ type Enqueue = Callable[[RunMessage], Awaitable[None]]
 
 type QueueDepth = Callable[[], Awaitable[int | None]]
 """How many messages wait in the queue now, or None if the broker cannot say."""
+
+type Owns = Callable[[str, str], bool]
+"""Whether this dispatcher decides a workspace now (its shard's lease): ``owns(tenant, ws)``."""
 
 type _RunKey = tuple[str, str, str]
 type _Attempt = tuple[RunStatus, int, int]
@@ -57,8 +68,13 @@ again whatever DUE_READ_INTERVAL_S says, and comes at once when this one enqueue
 bound keeps one pass's read and memory small."""
 
 MESSAGES_PER_BURST: Final = 4
-"""Into how many messages at least a pass's due runs are split (up to MAX_BATCH_RUNS runs
-each, one workspace each), so a handful of due runs still reaches several worker processes."""
+"""Into how many messages at least a workspace's due runs are split (up to MAX_BATCH_RUNS runs
+each), so a handful of due runs still reaches several worker processes."""
+
+EVALUATION_BATCH: Final = 100
+"""How many workspaces one pass evaluates (and follows) at most: a burst of changes across
+many workspaces is decided in passes of this many, each handing out what it fired before the
+next begins."""
 
 logger = structlog.get_logger("relayr.dispatch")
 
@@ -77,6 +93,8 @@ class DispatchPass:
         again: Runs enqueued again because their message was presumed lost.
         failed: Runs the queue refused; the next pass tries them again.
         bridged: Events the followers bridged from artifactr at the start of the pass.
+        withheld: Due runs kept back for fairness: their workspace has ``fair_messages``
+            messages waiting in the broker already.
     """
 
     ticks: int = 0
@@ -88,6 +106,7 @@ class DispatchPass:
     again: int = 0
     failed: int = 0
     bridged: int = 0
+    withheld: int = 0
 
 
 @dataclass
@@ -95,6 +114,7 @@ class _Message:
     """A message this dispatcher sent, and what it knows of its fate."""
 
     seq: int
+    workspace: Workspace
     runs: set[_RunKey]
     taken_at: float | None = None
     passed_at: float | None = None
@@ -120,9 +140,27 @@ class _Ledger:
     latest_taken: int = 0
     """The newest message a worker is known to have taken: the queue is past every older one."""
 
+    def in_broker(self) -> dict[Workspace, int]:
+        """How many messages of each workspace wait in the broker, as far as this dispatcher
+        knows: none a worker took, nor one the queue went past (presumed lost, its runs are
+        sent again: a lost message must not hold its workspace's place)."""
+        counted: dict[Workspace, int] = {}
+        for message in self.messages.values():
+            if message.taken_at is None and message.passed_at is None:
+                counted[message.workspace] = counted.get(message.workspace, 0) + 1
+        return counted
+
+
+@dataclass
+class _Due:
+    """A due run waiting in the fair queue."""
+
+    key: _RunKey
+    run: Run
+
 
 class Dispatcher:
-    """Evaluates rules and enqueues due runs, once per attempt.
+    """Evaluates rules and enqueues due runs, once per attempt, fairly between workspaces.
 
     Args:
         runtime: The process's runtime; its holder names this dispatcher's leases.
@@ -132,6 +170,12 @@ class Dispatcher:
             the settings' broker is asked (:func:`relayr.broker.queue_depth`).
         follow: Whether each pass follows artifactr's logs first; False where ``relayr
             follow`` runs the followers apart.
+        feed: What wakes :meth:`serve`; by default the application's store's
+            (:func:`relayr.dispatch.changes.feed_for`), made when serving starts.
+        owns: Which workspaces this dispatcher decides (the others are another's): by default
+            all of them in :meth:`pass_once`, and in :meth:`serve` those of the shards it
+            holds (:mod:`relayr.dispatch.shards`), unless ``owns`` or ``shards`` is given.
+        shards: This dispatcher's share of the shards, kept by :meth:`serve`.
     """
 
     def __init__(
@@ -142,8 +186,13 @@ class Dispatcher:
         limit: int = DUE_LIMIT,
         queue_depth: QueueDepth | None = None,
         follow: bool = True,
+        feed: ChangeFeed | None = None,
+        owns: Owns | None = None,
+        shards: Shards | None = None,
     ) -> None:
         application = runtime.application
+        settings = runtime.settings
+        self._runtime = runtime
         self._followers: Followers | None = None
         if follow:  # artifactr loads only for a dispatcher that follows
             from relayr.follow.follower import followers_of
@@ -155,29 +204,75 @@ class Dispatcher:
             actions=application.actions,
             deps=runtime.bridge,
             holder=runtime.holder,
-            lease_ttl=timedelta(seconds=runtime.settings.lease_ttl_s),
+            lease_ttl=timedelta(seconds=settings.lease_ttl_s),
         )
-        self._requeue_after_s = runtime.settings.requeue_after_s
-        self._interval_s = runtime.settings.dispatch_interval_s
+        self._requeue_after_s = settings.requeue_after_s
+        self._interval_s = settings.dispatch_interval_s
+        self._sweep_s = settings.dispatch_sweep_s
         self._monotonic = monotonic
         self._limit = limit
-        self._queue_depth = queue_depth or _asking(runtime.settings)
+        self._queue_depth = queue_depth or _asking(settings)
+        self._feed = feed
+        self._owns = owns if owns is not None or shards is None else shards.owns
+        self._shards = shards
         self._sent = _Ledger()
+        self._fair: FairQueue[_Due] = FairQueue(
+            per_workspace=settings.fair_messages,
+            weights=settings.tenant_weights,
+            batch=MAX_BATCH_RUNS,
+            spread=MESSAGES_PER_BURST,
+        )
         self._due_read_at: float | None = None
+        self._ticked_at: float | None = None
         self._evaluated_to: dict[WorkspaceRef, int] = {}
+        self._followed_to: dict[Workspace, int] = {}
+        self._to_evaluate: dict[Workspace, None] = {}
+        self._to_follow: dict[Workspace, None] = {}
 
-    async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
-        """Tick, evaluate, and enqueue every due run whose message is not in the queue.
+    @property
+    def behind(self) -> bool:
+        """Whether changed workspaces wait for the next pass (a burst past EVALUATION_BATCH)."""
+        return bool(self._to_evaluate or self._to_follow)
+
+    async def pass_once(self, enqueue: Enqueue, changes: Changes | None = None) -> DispatchPass:
+        """Follow and evaluate what changed, tick, and hand out due runs fairly.
+
+        ``changes``: the workspaces whose logs moved (:class:`~relayr.dispatch.changes.Changes`);
+        None, or one that says ``everything``, sweeps: every workspace whose head is not where
+        this dispatcher last evaluated (or followed) it.
 
         Raises:
             Exception: What the storage raised while ticking, evaluating or reading due runs;
                 the next pass starts over. A failing ``enqueue`` is counted, not raised.
         """
-        bridged = (await self._followers.follow_all()).bridged if self._followers else 0
-        ticks = await self._reactor.tick() if self._rules.schedules else 0
-        fired = await evaluate_all(self._rules, evaluated_to=self._evaluated_to)
+        sweep = changes is None or changes.everything
+        if changes is not None:
+            self._to_evaluate.update(dict.fromkeys(sorted(changes.rules)))
+            self._to_follow.update(dict.fromkeys(sorted(changes.artifacts)))
+        bridged, moved = await self._follow(sweep)
+        self._to_evaluate.update(dict.fromkeys(moved))
+        now = self._monotonic()
+        ticks = 0
+        if self._rules.schedules and (
+            self._ticked_at is None or now - self._ticked_at >= self._interval_s
+        ):
+            ticks = await self._reactor.tick()
+            self._ticked_at = now
+        if sweep:
+            await self._sweep_rules()
+        chosen = _first(self._to_evaluate, EVALUATION_BATCH, self._owns)
+        fired = await evaluate_each(
+            self._rules,
+            [WorkspaceRef(tenant_id, workspace_id) for tenant_id, workspace_id in chosen],
+            evaluated_to=self._evaluated_to,
+        )
+        if sweep:  # a sweep learns of every message taken, as a change would
+            await self._check_taken({m.workspace for m in self._sent.messages.values()}, now)
+        elif changes is not None:
+            await self._check_taken(changes.rules, now)
         policy = RunPolicy.of(self._rules.rules.values())
         now = self._monotonic()
+        full_list = False
         if (
             self._due_read_at is None
             or policy.ordered
@@ -188,23 +283,27 @@ class Dispatcher:
                 now=self._rules.clock(), limit=self._limit, policy=policy
             )
             self._due_read_at = now = self._monotonic()
+            due = [(ref, run) for ref, run in due if self._decides(ref)]
             listed = {_key(ref, run): run for ref, run in due}
             window = _order(*due[-1]) if len(due) >= self._limit else None
-            if window is not None:  # more are due: the next pass, at once, reads them
-                self._due_read_at = None
+            if window is not None and len(self._fair) < self._limit:
+                self._due_read_at = None  # more are due: the next pass, at once, reads them
+            full_list = window is None
             await self._observe(listed, window, now)
+            for ref, run in fired:  # due at once, though past the list's end in a backlog
+                if run.rule not in policy.ordered:
+                    listed.setdefault(_key(ref, run), run)
         else:
             # the runs this pass fired are due at once (no rule orders them): enqueue them
             # without reading every due run again (see DUE_READ_INTERVAL_S)
             due = fired
             listed = {_key(ref, run): run for ref, run in fired}
-        firings = len(fired)
-        fresh: list[tuple[_RunKey, Run]] = []
-        waiting = again = 0
+        waiting = 0
+        lost: list[tuple[_RunKey, Run]] = []
         for key, run in listed.items():
             queued = self._sent.runs.get(key)
             if queued is None or queued.attempt != _attempt(run):
-                fresh.append((key, run))
+                self._fair.add(key[:2], key, _Due(key, run), alone=_alone(run))
             elif self._lost(queued.message, now):
                 logger.info(
                     "run's message presumed lost: enqueued again",
@@ -212,12 +311,202 @@ class Dispatcher:
                     key=key,
                     message=queued.message.seq,
                 )
-                fresh.append((key, run))
-                again += 1
+                self._fair.remove(key)
+                lost.append((key, run))
             else:
                 waiting += 1
+        if full_list:  # what the fair queue holds that is no longer due
+            for held in self._fair:
+                if held not in listed:
+                    self._fair.remove(held)
+        enqueued, messages, failed = await self._hand_out(enqueue, lost)
+        done = DispatchPass(
+            ticks=ticks,
+            firings=len(fired),
+            due=len(due),
+            enqueued=enqueued,
+            messages=messages,
+            waiting=waiting,
+            again=len(lost),
+            failed=failed,
+            bridged=bridged,
+            withheld=len(self._fair),
+        )
+        if ticks or fired or enqueued or failed or bridged:
+            logger.info("dispatch pass", **vars(done))
+        return done
+
+    async def serve(self, enqueue: Enqueue, stop: asyncio.Event) -> None:
+        """Pass whenever the store says a workspace's log moved, until ``stop`` is set.
+
+        Passes also come every ``dispatch_interval_s`` (schedules, the due list) and sweep
+        every ``dispatch_sweep_s``. A pass that fails is logged and the next one starts over;
+        a pass that left work behind is followed at once by the next. A feed that cannot start
+        is logged, and every timed pass then sweeps. Stopping gives up the followers' leases.
+        """
+        feed = self._feed
+        if feed is None:
+            feed = self._feed = feed_for(self._runtime.application.engines, self._rules.storage)
+        if self._shards is None and self._owns is None:
+            self._shards = _shards_of(self._runtime)
+            self._owns = self._shards.owns
+        try:
+            try:
+                await feed.start()
+                listening = True
+                logger.info("dispatcher listening for changes", feed=type(feed).__name__)
+            except Exception:
+                logger.exception("change notifications unavailable: every pass sweeps")
+                listening = False
+            await self._serve(enqueue, stop, feed, listening)
+        finally:
+            with contextlib.suppress(Exception):
+                await feed.aclose()
+            if self._shards is not None:
+                try:
+                    await self._shards.release()
+                except Exception:
+                    logger.exception("giving up the dispatch shards failed; they lapse instead")
+            if self._followers is not None:
+                await self._followers.release()
+
+    async def _serve(
+        self, enqueue: Enqueue, stop: asyncio.Event, feed: ChangeFeed, listening: bool
+    ) -> None:
+        swept_at: float | None = None
+        while not stop.is_set():
+            now = self._monotonic()
+            changes = feed.take()
+            if not listening or swept_at is None or now - swept_at >= self._sweep_s:
+                changes.everything = True
+            if changes.everything or swept_at is None:
+                swept_at = now
+            if await self._keep_shards():
+                changes.everything = True
+            more = False
+            try:
+                done = await self.pass_once(enqueue, changes)
+                more = self.behind or (self._due_read_at is None and done.enqueued > 0)
+            except Exception:
+                logger.exception("a dispatch pass failed; the next one starts over")
+            if more:
+                await asyncio.sleep(0)
+                continue
+            until_sweep = self._sweep_s - (self._monotonic() - swept_at)
+            await _first_of(feed, stop, max(0.0, min(self._interval_s, until_sweep)))
+
+    async def _keep_shards(self) -> bool:
+        """Keep this dispatcher's shards when it is time; whether it gained some (then the
+        pass sweeps them and reads the due list: what their last holder knew is gone)."""
+        shards = self._shards
+        if shards is None:
+            return False
+        try:
+            if not await shards.due():
+                return False
+            gained = await shards.keep()
+        except Exception:
+            logger.exception("keeping the dispatch shards failed; the next pass tries again")
+            return False
+        for held in self._fair:  # runs of workspaces another dispatcher decides now
+            if not shards.owns(*held[:2]):  # type: ignore[index]
+                self._fair.remove(held)
+        if gained:
+            logger.info("dispatch shards taken", shards=sorted(gained), held=len(shards.held))
+            self._due_read_at = None
+        return bool(gained)
+
+    async def _follow(self, sweep: bool) -> tuple[int, list[Workspace]]:
+        """Follow the artifactr workspaces that moved (on a sweep, every one whose head is not
+        where it was followed to); return the events bridged and where they went."""
+        if self._followers is None:
+            self._to_follow.clear()
+            return 0, []
+        from relayr.ledger.port import WorkspaceKey
+
+        feed = self._feed
+        heads: dict[Workspace, int] | None = None
+        if sweep or feed is None or not feed.sees_artifacts:
+            found = await feed.heads() if feed is not None else None
+            if found is None or found.artifacts is None:  # no heads: follow every workspace
+                done = await self._followers.follow_all()
+                self._to_follow.clear()
+                return done.bridged, []
+            heads = found.artifacts
+            self._to_follow.update(
+                dict.fromkeys(w for w, head in heads.items() if self._followed_to.get(w) != head)
+            )
+        chosen = _first(self._to_follow, EVALUATION_BATCH, self._owns)
+        if not chosen:
+            return 0, []
+        done, moved = await self._followers.follow_these({WorkspaceKey(*w) for w in chosen})
+        if heads is not None:
+            for workspace in chosen:
+                if workspace in heads:
+                    self._followed_to[workspace] = heads[workspace]
+        behind = [(key.tenant_id, key.workspace_id) for key in moved]
+        return done.bridged, behind
+
+    async def _sweep_rules(self) -> None:
+        """Queue for evaluation every workspace whose head is not where it was evaluated to."""
+        found = await self._feed.heads() if self._feed is not None else None
+        if found is None or self._rules.stored_rules is not None:
+            refs = await self._rules.storage.workspaces()
+            self._to_evaluate.update(dict.fromkeys((r.tenant_id, r.workspace_id) for r in refs))
+            return
+        for (tenant_id, workspace_id), head in found.rules.items():
+            if self._evaluated_to.get(WorkspaceRef(tenant_id, workspace_id)) != head:
+                self._to_evaluate[(tenant_id, workspace_id)] = None
+
+    async def _check_taken(self, moved: Iterable[Workspace], now: float) -> None:
+        """Learn at once which messages of the workspaces that moved a worker took (its claim
+        appended to their logs): the first run of each such message left the attempt it was
+        enqueued at. Frees their place in the fair hand-out without waiting for the due list."""
+        moved = set(moved)
+        sent = self._sent
+        for message in list(sent.messages.values()):
+            if message.taken_at is not None or message.workspace not in moved or not message.runs:
+                continue
+            key = min(message.runs)
+            run = await self._rules.storage.run(WorkspaceRef(key[0], key[1]), key[2])
+            queued = sent.runs.get(key)
+            if run is None or queued is None or _attempt(run) == queued.attempt:
+                continue
+            message.taken_at = now
+            sent.latest_taken = max(sent.latest_taken, message.seq)
+            message.runs.discard(key)
+            del sent.runs[key]
+        sent.messages = {seq: m for seq, m in sent.messages.items() if m.runs}
+
+    async def _hand_out(
+        self, enqueue: Enqueue, lost: Sequence[tuple[_RunKey, Run]]
+    ) -> tuple[int, int, int]:
+        """Send the runs of lost messages again, each message in the place of the one lost (so
+        outside the fair hand-out, which counted it), then what the fair queue hands out now;
+        return runs, messages and runs refused."""
+        again: list[Message[_Due]] = []
+        for key, run in lost:
+            due = _Due(key, run)
+            last = again[-1] if again else None
+            if (
+                last is not None
+                and last.workspace == key[:2]
+                and len(last.items) < MAX_BATCH_RUNS
+                and not _alone(run)
+                and not _alone(last.items[-1].run)
+            ):
+                again[-1] = Message(last.workspace, (*last.items, due))
+            else:
+                again.append(Message((key[0], key[1]), (due,)))
         enqueued = messages = failed = 0
-        for batch, runs in _batches(fresh):
+        for message in [*again, *self._fair.hand_out(self._sent.in_broker())]:
+            runs = [(due.key, due.run) for due in message.items]
+            tenant_id, workspace_id = message.workspace
+            batch = RunMessage(
+                tenant_id=tenant_id,
+                workspace_id=workspace_id,
+                run_ids=tuple(run.id for _, run in runs),
+            )
             try:
                 with telemetry.enqueuing(batch.tenant_id, batch.workspace_id, batch.run_ids):
                     await enqueue(batch)
@@ -225,42 +514,13 @@ class Dispatcher:
                 logger.exception("enqueueing runs failed", run_ids=list(batch.run_ids))
                 failed += len(runs)
                 continue
-            self._sent_now(runs)
+            self._sent_now(message.workspace, runs)
             enqueued += len(runs)
             messages += 1
-        done = DispatchPass(
-            ticks, firings, len(due), enqueued, messages, waiting, again, failed, bridged
-        )
-        if ticks or firings or enqueued or failed or bridged:
-            logger.info("dispatch pass", **vars(done))
-        return done
+        return enqueued, messages, failed
 
-    async def serve(self, enqueue: Enqueue, stop: asyncio.Event) -> None:
-        """Run passes every ``dispatch_interval_s`` until ``stop`` is set.
-
-        A pass that fails is logged and the next one starts over; a pass that filled its limit
-        and enqueued something is followed at once by the next. Stopping gives up the
-        followers' leases.
-        """
-        try:
-            await self._serve(enqueue, stop)
-        finally:
-            if self._followers is not None:
-                await self._followers.release()
-
-    async def _serve(self, enqueue: Enqueue, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            full = False
-            try:
-                done = await self.pass_once(enqueue)
-                full = done.due >= self._limit and done.enqueued > 0
-            except Exception:
-                logger.exception("a dispatch pass failed; the next one starts over")
-            if full:
-                continue
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._interval_s):
-                    await stop.wait()
+    def _decides(self, ref: WorkspaceRef) -> bool:
+        return self._owns is None or self._owns(ref.tenant_id, ref.workspace_id)
 
     async def _observe(self, listed: dict[_RunKey, Run], window: _Order | None, now: float) -> None:
         """Learn from the due list which messages workers took, and forget what is done.
@@ -301,9 +561,9 @@ class Dispatcher:
         since = message.taken_at if message.taken_at is not None else message.passed_at
         return since is not None and now - since >= self._requeue_after_s
 
-    def _sent_now(self, runs: Sequence[tuple[_RunKey, Run]]) -> None:
+    def _sent_now(self, workspace: Workspace, runs: Sequence[tuple[_RunKey, Run]]) -> None:
         sent = self._sent
-        message = _Message(sent.next_seq, {key for key, _ in runs})
+        message = _Message(sent.next_seq, workspace, {key for key, _ in runs})
         sent.next_seq += 1
         sent.messages[message.seq] = message
         for key, run in runs:
@@ -314,30 +574,44 @@ class Dispatcher:
         sent.messages = {seq: m for seq, m in sent.messages.items() if m.runs}
 
 
-def _batches(
-    runs: Sequence[tuple[_RunKey, Run]],
-) -> Iterator[tuple[RunMessage, list[tuple[_RunKey, Run]]]]:
-    """Group runs into messages of one workspace each, in order, sized so the pass's runs make
-    at least :data:`MESSAGES_PER_BURST` messages of at most MAX_BATCH_RUNS runs; a run whose
-    last attempt was abandoned goes alone."""
-    by_workspace: dict[tuple[str, str], list[tuple[_RunKey, Run]]] = {}
-    groups: list[list[tuple[_RunKey, Run]]] = []
-    for key, run in runs:
-        if run.reason == reasons.ABANDONED:
-            groups.append([(key, run)])
-        else:
-            by_workspace.setdefault(key[:2], []).append((key, run))
-    size = min(MAX_BATCH_RUNS, max(1, math.ceil(len(runs) / MESSAGES_PER_BURST)))
-    for members in by_workspace.values():
-        groups.extend(members[index : index + size] for index in range(0, len(members), size))
-    for group in groups:
-        tenant_id, workspace_id, _ = group[0][0]
-        batch = RunMessage(
-            tenant_id=tenant_id,
-            workspace_id=workspace_id,
-            run_ids=tuple(run.id for _, run in group),
-        )
-        yield batch, group
+def _shards_of(runtime: Runtime) -> Shards:
+    """The shards of a dispatcher on the runtime's store (its first engine's, else memory)."""
+    engines = runtime.application.engines
+    return Shards(
+        SqlShardStore(engines[0]) if engines else InMemoryShardStore(),
+        holder=runtime.holder,
+        shards=runtime.settings.dispatch_shards,
+        lease_ttl_s=runtime.settings.lease_ttl_s,
+    )
+
+
+def _first(pending: dict[Workspace, None], limit: int, owns: Owns | None) -> list[Workspace]:
+    """Take up to ``limit`` workspaces from the front of ``pending`` (those this dispatcher
+    decides; the others are dropped: their owner's feed tells it too)."""
+    chosen: list[Workspace] = []
+    for workspace in list(pending):
+        if len(chosen) >= limit:
+            break
+        del pending[workspace]
+        if owns is None or owns(*workspace):
+            chosen.append(workspace)
+    return chosen
+
+
+async def _first_of(feed: ChangeFeed, stop: asyncio.Event, timeout_s: float) -> None:
+    """Wait until the feed has something, ``stop`` is set, or ``timeout_s`` passed."""
+    waits = [asyncio.ensure_future(feed.wait(timeout_s)), asyncio.ensure_future(stop.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
+def _alone(run: Run) -> bool:
+    """A run whose last attempt was abandoned may be what killed its worker: it goes alone."""
+    return run.reason == reasons.ABANDONED
 
 
 def _asking(settings: Settings) -> QueueDepth:

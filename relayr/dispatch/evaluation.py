@@ -6,6 +6,7 @@ lease: the transaction's row lock makes two dispatchers take turns, and neither 
 envelope twice. With tracing on, an evaluation is a ``relayr.evaluate`` span (ADR-0080).
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -128,7 +129,18 @@ async def _evaluate(
 async def evaluate_all(
     rules: Workspaces, *, evaluated_to: dict[WorkspaceRef, int] | None = None
 ) -> list[tuple[WorkspaceRef, Run]]:
-    """Evaluate every workspace with a log, each up to the head it had when its turn came;
+    """Evaluate every workspace with a log (:func:`evaluate_each` over reflexr's list of
+    workspaces); return the runs the firings made, with their workspaces."""
+    return await evaluate_each(rules, await rules.storage.workspaces(), evaluated_to=evaluated_to)
+
+
+async def evaluate_each(
+    rules: Workspaces,
+    refs: Iterable[WorkspaceRef],
+    *,
+    evaluated_to: dict[WorkspaceRef, int] | None = None,
+) -> list[tuple[WorkspaceRef, Run]]:
+    """Evaluate each workspace of ``refs``, each up to the head it had when its turn came;
     return the runs the firings made, with their workspaces.
 
     ``evaluated_to`` remembers, across calls, the head each workspace was evaluated up to: a
@@ -138,7 +150,7 @@ async def evaluate_all(
     """
     made: list[tuple[WorkspaceRef, Run]] = []
     known = evaluated_to if rules.stored_rules is None else None
-    for ref in await rules.storage.workspaces():
+    for ref in refs:
         if known is not None and known.get(ref) == await rules.storage.head_seq(ref):
             continue
         evaluated = await evaluate_workspace(rules, ref)

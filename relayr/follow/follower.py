@@ -179,22 +179,38 @@ class Followers:
         the next pass starts over from it. So is a failure to list the workspaces: following
         never stops the dispatcher's pass it runs in.
         """
+        total, _ = await self.follow_these(None)
+        return total
+
+    async def follow_these(
+        self, keys: Collection[WorkspaceKey] | None
+    ) -> tuple[Followed, list[WorkspaceKey]]:
+        """Follow the workspaces served among ``keys`` (None: every one), one after the other;
+        return what they did, and which of them bridged something or are still behind.
+
+        Failures are logged and counted as :meth:`follow_all` says.
+        """
         total = Followed()
+        moved: list[WorkspaceKey] = []
         try:
-            keys = await self.workspaces()
+            served = await self.workspaces()
         except Exception:
             logger.exception("listing the workspaces to follow failed; the next pass tries again")
-            return Followed(failed=1)
-        for key in keys:
+            return Followed(failed=1), moved
+        for key in served if keys is None else [k for k in served if k in keys]:
             try:
-                total += await self.follow(key)
+                done = await self.follow(key)
             except Exception:
                 logger.exception(
                     "following a workspace failed; the next pass starts over", workspace=str(key)
                 )
                 self._held.pop(key, None)
                 total.failed += 1
-        return total
+                continue
+            total += done
+            if done.bridged or done.behind:
+                moved.append(key)
+        return total, moved
 
     async def workspaces(self) -> list[WorkspaceKey]:
         """The workspaces to follow: the application's, or every artifactr workspace of the

@@ -35,6 +35,9 @@ from tests.services import STORAGES, storage_url
 TENANT, WORKSPACE = "acme", "ops"
 REF = WorkspaceRef(TENANT, WORKSPACE)
 REQUEUE_AFTER_S = 60.0
+FAIR_OFF = 1000
+"""``fair_messages`` where fairness is not under test: every due run of a pass goes out at once,
+so a test reads a pass's whole hand-out."""
 BACKOFF = timedelta(hours=1)
 """A retry's wait: no pass takes that long, so a retry is due only once the test moves
 :class:`Later` past it."""
@@ -179,6 +182,7 @@ async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
         requeue_after_s=REQUEUE_AFTER_S,
         dispatch_interval_s=0.05,
         turn_grace_s=0,
+        fair_messages=FAIR_OFF,
     )
     async with opened(settings, RULES) as harness:
         yield harness

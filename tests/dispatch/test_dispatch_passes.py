@@ -21,6 +21,7 @@ from relayr.execution.executor import execute_runs
 from relayr.settings import Settings
 from tests.dispatch.dispatch_harness import (
     BACKOFF,
+    FAIR_OFF,
     REQUEUE_AFTER_S,
     RULES,
     TENANT,
@@ -83,6 +84,7 @@ async def unordered(tmp_path: Path) -> AsyncIterator[Harness]:
         home=tmp_path,
         database_url=f"sqlite+aiosqlite:///{tmp_path}/relayr.db",
         requeue_after_s=REQUEUE_AFTER_S,
+        fair_messages=FAIR_OFF,
         turn_grace_s=0,
     )
     async with opened(settings, RULES[:1]) as harness:
@@ -127,13 +129,19 @@ async def test_runs_it_fired_are_enqueued_without_reading_every_due_run(
 
 async def test_a_backlog_past_the_due_limit_is_read_again_at_once(unordered: Harness) -> None:
     """A pass that read as many due runs as it may reads them again the next pass, not only
-    DUE_READ_INTERVAL_S later: the queue drains as fast as workers take the runs."""
+    DUE_READ_INTERVAL_S later: the queue drains as fast as workers take the runs. (The runs
+    are fired by a pass whose queue refused them: a pass enqueues the runs it fires itself,
+    past the list's end.)"""
     harness = unordered
     dispatcher = Dispatcher(
         harness.runtime, monotonic=harness.clock, limit=2, queue_depth=harness.queue_depth
     )
     await harness.publish(*(Ping() for _ in range(5)))
 
+    async def refusing(batch: RunMessage) -> None:
+        raise ConnectionError("broker down")
+
+    assert (await dispatcher.pass_once(refusing)).failed == 5
     enqueued: list[list[str]] = []
     for _ in range(3):
         harness.queue.clear()

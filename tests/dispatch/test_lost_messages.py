@@ -21,6 +21,7 @@ from reflexr import SourceActor
 
 from relayr.broker.layout import is_message, queue_path
 from relayr.core.run_messages import RunMessage
+from relayr.dispatch.changes import Changes
 from relayr.dispatch.dispatcher import Dispatcher, DispatchPass, Enqueue
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -46,8 +47,8 @@ class Counting(Dispatcher):
 
     again = 0
 
-    async def pass_once(self, enqueue: Enqueue) -> DispatchPass:
-        done = await super().pass_once(enqueue)
+    async def pass_once(self, enqueue: Enqueue, changes: Changes | None = None) -> DispatchPass:
+        done = await super().pass_once(enqueue, changes)
         self.again += done.again
         return done
 

@@ -38,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from relayr import migrations
 from relayr.cli import cli
 from relayr.cli.processes import relayr_command
+from relayr.dispatch import changes, shards
 from relayr.follow import store as follow_store
 from relayr.follow.store import SqlFollowStore
 from relayr.ledger import SqlLedger
@@ -56,7 +57,13 @@ PROCESS_TIMEOUT_S = 120
 def code_tables() -> MetaData:
     """Every table relayr's code reads and writes, in one MetaData."""
     tables = MetaData()
-    for source in (ledger_sql.metadata, follow_store.metadata, limit_store.metadata):
+    for source in (
+        ledger_sql.metadata,
+        follow_store.metadata,
+        limit_store.metadata,
+        shards.metadata,
+        changes.metadata,
+    ):
         for table in source.tables.values():
             table.to_metadata(tables)
     return tables

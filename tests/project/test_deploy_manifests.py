@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy_files import COMPOSE, DOCKERFILE, K8S, UNITS, compose, k8s_documents, unit
+from tests.deploy_files import (
+    COMPOSE,
+    DOCKERFILE,
+    K8S,
+    UNIT_INSTANCE,
+    UNITS,
+    compose,
+    k8s_documents,
+    unit,
+)
 
 UNPROBED = {"otel-collector", "jaeger"}
 """Compose services whose images have no program to probe themselves with, and that relayr never
@@ -55,7 +64,7 @@ def test_systemd_accepts_the_units(tmp_path: Path) -> None:
     relayr = shutil.which("relayr", path=str(Path(sys.executable).parent))
     assert relayr is not None
     for path in UNITS:
-        copy = tmp_path / path.name
+        copy = tmp_path / path.name.replace("@.", f"@{UNIT_INSTANCE}.")
         copy.write_text(path.read_text().replace("/opt/relayr/bin/relayr", relayr))
         done = subprocess.run(
             [analyze, "verify", str(copy)], capture_output=True, text=True, check=False

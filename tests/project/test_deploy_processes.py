@@ -1,9 +1,9 @@
-"""How deploy/ runs relayr: time to stop warm, replicas, probes, one dispatcher, not root.
+"""How deploy/ runs relayr: time to stop warm, replicas, probes, two dispatchers, not root.
 
 The shutdown grace of every worker deployment (Kubernetes, compose, systemd) is checked against
-the time limits it runs with; workers run in replicas with resources and both probes; one
-dispatcher runs at a time; pods run as the image's numeric non-root user, and units as relayr.
-Files only: no service runs.
+the time limits it runs with; workers run in replicas with resources and both probes; two
+dispatchers share the work (a systemd template runs one per instance); pods run as the image's
+numeric non-root user, and units as relayr. Files only: no service runs.
 """
 
 import shlex
@@ -13,6 +13,7 @@ from relayr.settings import Settings
 from tasks.worker import CLOSE_MARGIN_S
 from tests.deploy_files import (
     DEPLOY,
+    UNIT_INSTANCE,
     UNITS,
     compose,
     containers,
@@ -64,11 +65,21 @@ def test_workers_have_replicas_resources_and_both_probes() -> None:
         assert container["readinessProbe"]["periodSeconds"] == 10
 
 
-def test_one_dispatcher_at_a_time() -> None:
+def test_two_dispatchers_share_the_work() -> None:
+    """They share the workspaces by shard leases, so any number may run at once, and a rolling
+    update keeps one deciding while the other restarts."""
     dispatcher = deployments()["relayr-dispatcher"]
-    assert dispatcher["spec"]["replicas"] == 1
-    assert dispatcher["spec"]["strategy"] == {"type": "Recreate"}
-    assert compose()["services"]["dispatcher"].get("deploy", {}).get("replicas", 1) == 1
+    assert dispatcher["spec"]["replicas"] == 2
+    assert dispatcher["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert dispatcher["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 1
+    assert compose()["services"]["dispatcher"]["deploy"]["replicas"] == 2
+    [template] = [path for path in UNITS if path.name.startswith("relayr-dispatcher")]
+    assert template.name == "relayr-dispatcher@.service"
+    text = template.read_text()
+    assert "relayr-dispatcher@9102 relayr-dispatcher@9103" in text  # how to enable two
+    argv = shlex.split(unit_values(template, "Service", "ExecStart")[0])
+    assert argv[argv.index("--metrics-port") + 1] == UNIT_INSTANCE
+    assert unit_values(template, "Service", "WorkingDirectory")[0].endswith(UNIT_INSTANCE)
 
 
 def test_pods_run_as_the_images_non_root_user() -> None:

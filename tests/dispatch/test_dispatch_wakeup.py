@@ -1,0 +1,165 @@
+"""The dispatcher is woken by the store and works in proportion to what changed (memory, SQLite,
+PostgreSQL).
+
+A pass given the workspaces that moved touches only those (its reads of heads and its
+evaluation transactions are counted on the real storage); a timed pass with nothing moved
+touches none; a burst across more workspaces than a pass evaluates is decided over the next
+passes; and ``serve``, whose sweep is an hour away, still enqueues an event's run: the feed woke
+it.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from reflexr import SourceActor
+from reflexr.workspace import WorkspaceRef
+
+from relayr.core.run_messages import RunMessage
+from relayr.dispatch.changes import Changes
+from relayr.dispatch.dispatcher import EVALUATION_BATCH
+from relayr.settings import Settings
+from tests.dispatch.dispatch_harness import FAIR_OFF, RULES, Harness, Ping, opened
+
+WAIT_S = 30.0
+"""A bound on a run's hand-out once its event committed (milliseconds); it only ends a failing
+test."""
+
+
+@pytest.fixture
+async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
+    settings = Settings(
+        home=tmp_path,
+        database_url=database_url,
+        turn_grace_s=0,
+        fair_messages=FAIR_OFF,
+        dispatch_sweep_s=3600,
+        dispatch_interval_s=0.05,
+    )
+    async with opened(settings, RULES[:1]) as harness:
+        yield harness
+
+
+class Touched:
+    """The workspaces whose head was read or that a transaction locked, on the real storage."""
+
+    def __init__(self) -> None:
+        self.workspaces: list[WorkspaceRef] = []
+
+
+@asynccontextmanager
+async def touched(harness: Harness) -> AsyncIterator[Touched]:
+    storage: Any = harness.rules.storage
+    seen = Touched()
+    head_seq, transaction = storage.head_seq, storage.transaction
+
+    async def counted_head(ref: WorkspaceRef) -> int:
+        seen.workspaces.append(ref)
+        return int(await head_seq(ref))
+
+    def counted_transaction(ref: WorkspaceRef) -> Any:
+        seen.workspaces.append(ref)
+        return transaction(ref)
+
+    storage.head_seq, storage.transaction = counted_head, counted_transaction
+    try:
+        yield seen
+    finally:
+        del storage.head_seq, storage.transaction
+
+
+async def publish(harness: Harness, workspace: str, count: int = 1) -> None:
+    source = await harness.rules.open("acme", workspace, actor=SourceActor(name="test"))
+    for _ in range(count):
+        await source.publish(Ping())
+
+
+class Queue:
+    def __init__(self) -> None:
+        self.sent: list[RunMessage] = []
+
+    async def enqueue(self, batch: RunMessage) -> None:
+        self.sent.append(batch)
+
+    def workspaces(self) -> set[str]:
+        return {batch.workspace_id for batch in self.sent}
+
+
+async def test_a_pass_touches_only_the_workspaces_that_moved(harness: Harness) -> None:
+    queue = Queue()
+    for index in range(20):
+        await publish(harness, f"w{index}")
+    await harness.dispatcher.pass_once(queue.enqueue)  # the first: a sweep
+    await publish(harness, "w7")
+    queue.sent.clear()
+
+    async with touched(harness) as seen:
+        await harness.dispatcher.pass_once(queue.enqueue, Changes(rules={("acme", "w7")}))
+        moved = {ref.workspace_id for ref in seen.workspaces}
+        seen.workspaces.clear()
+        await harness.dispatcher.pass_once(queue.enqueue, Changes())
+        idle = list(seen.workspaces)
+
+    assert moved == {"w7"}
+    assert queue.workspaces() == {"w7"}
+    assert idle == []
+
+
+async def test_a_burst_across_many_workspaces_is_decided_in_bounded_passes(
+    harness: Harness,
+) -> None:
+    queue = Queue()
+    count = EVALUATION_BATCH + EVALUATION_BATCH // 2
+    await harness.dispatcher.pass_once(queue.enqueue)
+    for index in range(count):
+        await publish(harness, f"b{index}")
+    changes = Changes(rules={("acme", f"b{index}") for index in range(count)})
+
+    first = await harness.dispatcher.pass_once(queue.enqueue, changes)
+    behind = harness.dispatcher.behind
+    second = await harness.dispatcher.pass_once(queue.enqueue, Changes())
+
+    assert (first.firings, second.firings) == (EVALUATION_BATCH, count - EVALUATION_BATCH)
+    assert behind
+    assert not harness.dispatcher.behind
+    assert len(queue.workspaces()) == count
+
+
+async def test_serve_is_woken_by_the_store_not_by_its_sweep(harness: Harness) -> None:
+    """The sweep is an hour away and timed passes evaluate nothing: only the feed can tell the
+    dispatcher that the events were published."""
+    stop = asyncio.Event()
+    queue = Queue()
+
+    async def enqueue(batch: RunMessage) -> None:
+        await queue.enqueue(batch)
+        if queue.workspaces() >= {"late"}:
+            stop.set()
+
+    dispatcher = harness.dispatcher
+    passes = 0
+    passed = asyncio.Event()
+    pass_once = dispatcher.pass_once
+
+    async def counted(enqueue: Any, changes: Changes | None = None) -> Any:
+        nonlocal passes
+        done = await pass_once(enqueue, changes)
+        passes += 1
+        if passes >= 2:  # the first pass's sweep is over, and a timed pass after it
+            passed.set()
+        return done
+
+    dispatcher.pass_once = counted  # type: ignore[method-assign]
+    serving = asyncio.create_task(dispatcher.serve(enqueue, stop))
+    try:
+        await asyncio.wait_for(passed.wait(), WAIT_S)
+        await publish(harness, "late")
+        await asyncio.wait_for(asyncio.shield(serving), WAIT_S)
+    finally:
+        stop.set()
+        await serving
+
+    assert "late" in queue.workspaces()
