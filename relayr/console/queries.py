@@ -114,18 +114,20 @@ def parse_moment(name: str, text: str) -> datetime:
 
 
 def parse_cursor(text: str) -> Cursor:
-    """A page's cursor, as :meth:`RunQuery.cursor_of` writes it: ``MOMENT~TENANT/WORKSPACE/RUN``.
+    """A page's cursor, as :meth:`RunQuery.cursor_of` writes it:
+    ``MOMENT~SEQ~TENANT/WORKSPACE/RUN``.
 
     Raises:
         BadQuery: When it is not one.
     """
-    moment, _, run = text.partition("~")
-    parts = run.split("/")
-    if len(parts) != 3:
+    fields = text.split("~")
+    parts = fields[-1].split("/")
+    if len(fields) != 3 or not fields[1].isdigit() or len(parts) != 3:
         raise BadQuery(f"after {text!r} is not a page's cursor: follow the page's own links")
     for part in parts:
         parse_id("after", part)
-    return Cursor(parse_moment("after", moment), parts[0], parts[1], parts[2])
+    moment = parse_moment("after", fields[0])
+    return Cursor(moment, int(fields[1]), parts[0], parts[1], parts[2])
 
 
 @dataclass(frozen=True)
@@ -247,9 +249,8 @@ class RunQuery:
     def cursor_of(self, row: RunRow) -> str:
         """The cursor of the page that follows ``row``."""
         cursor = Cursor.after(row, "changed" if self.sort == "changed" else "created")
-        return (
-            f"{cursor.moment.isoformat()}~{cursor.tenant_id}/{cursor.workspace_id}/{cursor.run_id}"
-        )
+        where = f"{cursor.tenant_id}/{cursor.workspace_id}/{cursor.run_id}"
+        return f"{cursor.moment.isoformat()}~{cursor.fired_seq}~{where}"
 
     def params(self, **changed: object) -> dict[str, object]:
         """The filter as URL parameters (for links to other pages of it), with ``changed``."""

@@ -79,21 +79,28 @@ workspace's runs past the cursor are not enough (:func:`list_runs`)."""
 @dataclass(frozen=True)
 class Cursor:
     """Where a listing goes on from (keyset paging): the last run a page showed, by the moment it
-    is ordered by (created or changed), its workspace and its id. The next page holds the runs
-    after it in the same order, however many came before it: any run is reachable."""
+    is ordered by (created or changed), the seq of the event that fired it (runs one evaluation
+    created share their moment), its workspace and its id. The next page holds the runs after it
+    in the same order, however many came before it: any run is reachable."""
 
     moment: datetime
+    fired_seq: int
     tenant_id: str
     workspace_id: str
     run_id: str
 
-    def key(self) -> tuple[datetime, str, str, str]:
-        return (self.moment, self.tenant_id, self.workspace_id, self.run_id)
+    def key(self) -> "OrderKey":
+        return (self.moment, self.fired_seq, self.tenant_id, self.workspace_id, self.run_id)
 
     @classmethod
     def after(cls, row: "RunRow", order: RunOrder) -> "Cursor":
         moment = row.created_at if order == "created" else row.updated_at
-        return cls(moment, row.tenant_id, row.workspace_id, row.id)
+        return cls(moment, row.fired_seq, row.tenant_id, row.workspace_id, row.id)
+
+
+type OrderKey = tuple[datetime, int, str, str, str]
+"""Where a run is in a listing's order, newest first: its moment, its firing's seq, its
+workspace and its id."""
 
 
 @dataclass
@@ -166,7 +173,13 @@ async def list_runs(rules: Workspaces, query: RunFilter) -> list[RunRow]:
                     limit=size,
                 )
                 kept = [row for row in (RunRow.of(ref, run) for run in runs) if query.keeps(row)]
-                if size is None or len(runs) < size or wanted is None or len(kept) >= wanted:
+                if size is None or len(runs) < size or wanted is None:
+                    break
+                # runs created with the last one read may be among those not read yet: keep
+                # only what is certainly before them
+                last = (runs[-1].created_at, runs[-1].fired_seq)
+                kept = [row for row in kept if (row.created_at, row.fired_seq) > last]
+                if len(kept) >= wanted:
                     break
                 size *= 2
             kept.sort(key=lambda row: _key(row, query.order), reverse=True)
@@ -175,9 +188,9 @@ async def list_runs(rules: Workspaces, query: RunFilter) -> list[RunRow]:
     return list(itertools.islice(merged, wanted))
 
 
-def _key(row: "RunRow", order: RunOrder) -> tuple[datetime, str, str, str]:
+def _key(row: "RunRow", order: RunOrder) -> OrderKey:
     moment = row.created_at if order == "created" else row.updated_at
-    return (moment, row.tenant_id, row.workspace_id, row.id)
+    return (moment, row.fired_seq, row.tenant_id, row.workspace_id, row.id)
 
 
 async def runs_with_id(rules: Workspaces, run_id: str) -> list[RunRow]:
