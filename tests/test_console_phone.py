@@ -13,9 +13,7 @@ in the test's directory (``RELAYR_CONSOLE_SHOTS`` names another) for people to l
 import os
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlencode
 
 import pytest
@@ -30,12 +28,10 @@ pytestmark = [pytest.mark.slow]
 TOKEN = "console-phone-token-0123456789abcd"
 PHONE = {"width": 375, "height": 812}
 DESK = {"width": 1280, "height": 900}
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    with chromium() as found:
-        yield found
+WIDE = """() => [...document.querySelectorAll('body *')]
+    .filter(e => e.getBoundingClientRect().right > window.innerWidth)
+    .slice(0, 5).map(e => e.tagName + '.' + e.className + '#' + e.id)"""
+"""What sticks out of the viewport, to name it when a page scrolls sideways."""
 
 
 def freeze_worker(home: Path) -> None:
@@ -58,9 +54,7 @@ def shots(tmp_path: Path) -> Path:
     return folder
 
 
-def test_an_operator_on_a_phone_finds_a_frozen_worker_and_acts_once(
-    tmp_path: Path, browser: Any
-) -> None:
+def test_an_operator_on_a_phone_finds_a_frozen_worker_and_acts_once(tmp_path: Path) -> None:
     environment = relayr_environment(
         tmp_path, app="tests.console_app:create_console_app", console_token=TOKEN
     )
@@ -68,7 +62,7 @@ def test_an_operator_on_a_phone_finds_a_frozen_worker_and_acts_once(
     freeze_worker(tmp_path)
     folder = shots(tmp_path)
     [pending] = world.pending
-    with running_console(environment, tmp_path) as console:
+    with running_console(environment, tmp_path) as console, chromium() as browser:
         page = browser.new_page(viewport=PHONE)
         going = "/runs?status=dead"
         page.goto(console.at("/login?" + urlencode({"next": going})))
@@ -83,9 +77,11 @@ def test_an_operator_on_a_phone_finds_a_frozen_worker_and_acts_once(
         banner = page.locator("#health-banner").inner_text()
         assert "worker frozen" in banner
         assert "worker pid 4242 is up since 2026-01-01 00:00:00 UTC" in banner
-        assert page.locator("#runs tbody tr").count() == 4
+        assert page.locator("#runs tbody tr").count() == 5
+        page.screenshot(path=str(folder / "runs-375.png"), full_page=True)
         width = page.evaluate("() => document.documentElement.scrollWidth")
-        assert width <= PHONE["width"], f"/runs is {width} px wide at {PHONE['width']} px"
+        wide = page.evaluate(WIDE)
+        assert width <= PHONE["width"], f"/runs is {width} px wide at 375 px: {wide}"
         status = page.locator("#runs tbody tr").first.locator("td[data-label=Status]")
         assert status.is_visible()
         box = status.bounding_box()
