@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint format typecheck imports bench clean
+.PHONY: demo test test-fast check lint format typecheck imports bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ format: $(STAMP)
 
 test: check
 	$(BIN)/pytest
+
+# a developer's loop: the tests that start no worker process, a module per xdist process
+test-fast: $(STAMP)
+	$(BIN)/pytest -m "not worker and not slow" -n auto --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.targets

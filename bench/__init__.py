@@ -24,8 +24,8 @@ dispatcher), :mod:`bench.figures` computes a case's figures, :mod:`bench.workers
 ``celery worker`` processes, and :mod:`bench.common` holds the storage per case, the counting
 application the workers run and what is read from ``/proc``.
 
-They are measurements, not tests: only :mod:`bench.targets` judges a target, and its verdicts
-are printed, never asserted. ``docs/performance.md`` has the figures and what bounds them;
-``tests/test_bench.py`` and ``tests/test_bench_cli.py`` only check that each one runs, at a tiny
-size, and prints figures of the right shape.
+They are measurements, not tests: only :mod:`bench.targets` judges a target, and its verdicts are
+printed, never asserted. ``docs/performance.md`` has the figures and what bounds them;
+``tests/project/test_bench.py`` and ``tests/project/test_bench_cli.py`` only check that each one
+runs, at a tiny size, and prints figures of the right shape.
 """

@@ -35,7 +35,7 @@ from bench.common import (
 )
 from bench.figures import Probe, count_outcomes, profile_summary, round_figures
 from bench.workers import RelayrProcess, relayr_environment, start_worker
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.demo import CLI_USER, DEPLOYS_PER_THREAD, RULE_AUTHOR_PREFIX
 from relayr.dispatch.dispatcher import Dispatcher, DispatchPass, Enqueue
 from relayr.runtime.process import Runtime
@@ -212,7 +212,7 @@ async def _serve(runtime: Runtime, dispatcher: CountingDispatcher, stop: asyncio
     app = create_celery(runtime.settings)
     queue = runtime.settings.queue
 
-    async def enqueue(batch: RunBatch) -> None:
+    async def enqueue(batch: RunMessage) -> None:
         send_runs(app, queue, batch)
 
     try:

@@ -1,20 +1,10 @@
 """The demo's scenario: the example's events published, waited for, and counted.
 
-``relayr demo`` (:mod:`relayr.cli.demo`) runs it end to end: in a fresh home of its own under
-``.relayr/demo-<time>-<pid>`` (:func:`demo_home`, :func:`demo_environment`) it creates threads
-and publishes a mix of the example's two events (``deploy:finished``, whose rule posts a
-notice; ``incident:opened``, whose rule sends a message that starts an agent turn), waits until
-every run and every turn has ended, and checks the counts (:func:`summarize`).
-
-The dispatcher follows the workspace's artifactr log into reflexr (:mod:`relayr.follow`), so the
-demo also counts what comes back: the bridged events, and for each incident the runs of the
-example's three inbound rules (a follow-up, a page, the scribe agent) with their notices
-(``follow_ups``) and the scribe's tool calls (``tool_calls``).
-
-The pieces (:func:`publish_scenario`, :func:`wait_until_done`, :class:`Tally`) are the same ones
-the integration tests and the benchmarks use against real workers on Redis and the filesystem
-broker, so what the demo checks is what the tests assert. This module uses the engine only;
-dispatching on Celery is the command line's (:func:`relayr.cli.demo.run_scenario`).
+``relayr demo`` runs it in a fresh home of its own (:func:`demo_home`): it publishes the
+example's events, waits until every run and turn has ended (:func:`wait_until_done`) and checks
+the counts, including what the followers bridge back (:func:`summarize`). The integration tests
+use the same pieces, so what the demo checks is what they assert. Engine only: dispatching on
+Celery is :func:`relayr.cli.demo.run_scenario`'s.
 """
 
 import asyncio

@@ -1,22 +1,10 @@
 """relayr's settings: read once from ``RELAYR_*`` environment variables into one frozen object.
 
-This is the only module that reads the environment (through pydantic-settings, which maps each
-field to its ``RELAYR_*`` variable and validates it as the field's type says). Everything else is
-handed a :class:`Settings`, so a worker, the dispatcher and a test all see one consistent
-configuration, and a bad value stops the process at start with one line naming the variable
-(:class:`~relayr.core.errors.InvalidSettings`; exit code 2 on the command line), not an hour
-later (ADR-0006).
-
-The embedded defaults need no server: a SQLite file under ``RELAYR_HOME`` for both libraries and
-the ledger, and the ``filesystem://`` broker (relayr's own transport, :mod:`relayr.broker`) in
-``RELAYR_HOME/broker``. It keeps a message until a worker acknowledges it, even across a
-SIGKILL; and if a message is lost anyway, the dispatcher finds its run again, because reflexr's
-store, not the broker, is the truth about a run.
-
-Durations carry their unit in their names (``_s``: seconds) and are validated together: the
-soft time limit is below the hard one, which is below the broker's visibility timeout, because
-a Redis broker redelivers any message unacknowledged for that long, even to a second worker
-while the first is still running it.
+The only module that reads the environment; everything else is handed a :class:`Settings`. A bad
+value stops the process at start with one line naming the variable
+(:class:`~relayr.core.errors.InvalidSettings`; exit code 2 on the command line; ADR-0006). The
+defaults need no server: SQLite and the ``filesystem://`` broker under ``RELAYR_HOME``. Durations
+end in ``_s`` and must order: soft time limit < hard time limit < the broker's visibility timeout.
 """
 
 import os

@@ -1,36 +1,11 @@
 """relayr's Celery app: how run messages are carried, acknowledged and redelivered.
 
-The broker only delivers (ADR-0001, ADR-0012): reflexr's store is the truth about a run, a task
-carries ids only and re-reads the run, and a duplicated, lost or redelivered message repeats or
-loses nothing. So the settings below favour delivering again over losing, and bound the loops
-that delivering again could make:
-
-- ``broker_transport``: relayr's own transports (:mod:`relayr.broker`, ADR-0013) for the
-  embedded broker (a message is never read half-written and survives a SIGKILLed worker) and
-  for Redis; on both, a message a worker cannot use is set aside, never fatal to the worker.
-- JSON only, for tasks, results and events: a message can never carry code (no pickle).
-- ``task_acks_late``: a message is acknowledged after its task ran, so a worker that dies
-  mid-run leaves it to be delivered again.
-- ``task_retry_on_worker_lost`` (Celery 5.7) with ``max_retries``: a task whose pool process
-  died (OOM, segfault, SIGKILL) is sent again with its ``retries`` count raised by one, after
-  the run's lease has lapsed; past ``max_redeliveries`` the task fails the run
-  (``worker_lost``) instead of running it again (ADR-0011). ``task_reject_on_worker_lost``
-  stays on for the case where sending the retry fails: the broker then requeues the message.
-- ``worker_prefetch_multiplier=1``: a process reserves only the message it runs, so a long run
-  does not hold others back, and a dying worker strands at most one message per process.
-- Soft and hard time limits below the broker's visibility timeout (the settings check the
-  order), so Redis never hands a message that is still running to a second worker.
-- Task events and sent events on, so Flower and celery-exporter work.
-- No result backend: reflexr's store has every outcome.
-- ``worker_cancel_long_running_tasks_on_connection_loss``: after a broker connection drop,
-  the broker redelivers unacknowledged messages; the local copies are stopped rather than run
-  twice (reflexr's lease would refuse the second claim anyway).
-- A soft shutdown window, so a cold shutdown first gives running tasks time to finish.
-- With tracing on, OpenTelemetry's Celery instrumentation: each message carries its trace
-  context in its headers, so a run's spans in the worker continue the dispatcher's (ADR-0080).
-
-``celery -A tasks.app worker`` finds :data:`app`, built lazily from the environment's settings;
-``relayr worker`` builds it from settings it has already read, with :func:`create_celery`.
+The broker only delivers; reflexr's store is the truth about a run, so the settings favour
+delivering again over losing, and bound the loops that could make (ADR-0001, ADR-0011,
+ADR-0012 lists each setting and why). JSON only, late acks, prefetch 1, no result backend, and
+time limits below the broker's visibility timeout. ``celery -A tasks.app worker`` finds
+:data:`app`, built lazily from the environment; ``relayr worker`` calls :func:`create_celery`
+with settings it has already read.
 """
 
 from typing import Any, Final
@@ -55,8 +30,7 @@ PUBLISH_RETRY_POLICY: Final = {
 }
 """How a publish that meets a broker connection error is retried (Celery's own mechanism): three
 times within about a second, as storage steps are (relayr.runtime.transient), so a broker that
-blinks
-costs nothing and one that is down fails the publish fast; the dispatcher's next pass, or the
+blinks costs nothing and one that is down fails the publish fast; the dispatcher's next pass, or the
 operator, tries again."""
 
 _current: Celery | None = None

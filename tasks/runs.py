@@ -1,22 +1,11 @@
 """The run tasks: ids in, one call into :mod:`relayr.execution.executor`, outcomes out, in the log.
 
-A task is like a web view (Celery's own advice): it checks its arguments, makes one call into
-the library, and maps typed outcomes to what the worker does and says. It carries ids and
-nothing else (:class:`relayr.core.run_messages.RunBatch`); each run is re-read from reflexr's
-store, which
-decides whether anything happens (ADR-0001). So a duplicated or redelivered message is
-harmless: a run that is not due, or that another worker holds, does nothing and the log says so.
-
-- ``relayr.execute_runs(tenant_id, workspace_id, run_ids)`` names up to
-  :data:`relayr.core.run_messages.MAX_BATCH_RUNS` runs of one workspace, executed together
-  (:func:`relayr.execution.executor.execute_runs`); ``relayr.execute_run(tenant_id, workspace_id,
-  run_id)``, the one-run message of earlier releases, is still served.
-- Malformed arguments: one log line, no write, no retry: the message is rejected, never
-  requeued (:class:`InvalidTask`).
-- A message delivered again because its worker died (``task_retry_on_worker_lost``): a message
-  of several runs is split into one message per run, so a run that kills its worker takes no
-  other run with it again; a one-run message past ``max_redeliveries`` fails its run with
-  reason ``worker_lost`` instead of running it again (ADR-0011).
+``relayr.execute_runs(tenant_id, workspace_id, run_ids)`` names up to
+:data:`relayr.core.run_messages.MAX_BATCH_RUNS` runs of one workspace (``relayr.execute_run``, one
+run, is still served). A task carries ids only and re-reads each run, so a duplicate is harmless
+(ADR-0001). Malformed arguments are rejected, never requeued (:class:`InvalidTask`). A message
+redelivered because its worker died is split into one-run messages, and a one-run message past
+``max_redeliveries`` fails its run ``worker_lost`` (ADR-0011).
 """
 
 import logging
@@ -32,10 +21,11 @@ from pydantic_core import ErrorDetails
 
 from relayr.core import reasons
 from relayr.core.errors import InvalidTask
-from relayr.core.run_messages import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunBatch
-from relayr.execution.executor import Executed
+from relayr.core.run_messages import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunMessage
 from relayr.execution import executor
-from relayr.observe import metrics
+from relayr.execution.executor import Executed
+from relayr.observe import hooks
+from relayr.observe.hooks import MessageRedelivered, RunsEnqueued
 from tasks.worker import process
 
 logger = structlog.get_logger("relayr.tasks")
@@ -79,8 +69,8 @@ class RunIds:
     def as_args(self) -> tuple[str, str, str]:
         return (self.tenant_id, self.workspace_id, self.run_id)
 
-    def as_batch(self) -> RunBatch:
-        return RunBatch(
+    def as_batch(self) -> RunMessage:
+        return RunMessage(
             tenant_id=self.tenant_id, workspace_id=self.workspace_id, run_ids=(self.run_id,)
         )
 
@@ -103,8 +93,8 @@ def parse_ids(args: Sequence[object], kwargs: Mapping[str, object]) -> RunIds:
     return RunIds(batch.tenant_id, batch.workspace_id, batch.run_ids[0])
 
 
-def parse_batch(args: Sequence[object], kwargs: Mapping[str, object]) -> RunBatch:
-    """Read the run task's arguments as a :class:`RunBatch`, by position or by name.
+def parse_batch(args: Sequence[object], kwargs: Mapping[str, object]) -> RunMessage:
+    """Read the run task's arguments as a :class:`RunMessage`, by position or by name.
 
     Raises:
         InvalidTask: Naming what is wrong.
@@ -131,9 +121,9 @@ def _by_name(
     return values
 
 
-def _validated(values: Mapping[str, object], renamed: Mapping[str, str]) -> RunBatch:
+def _validated(values: Mapping[str, object], renamed: Mapping[str, str]) -> RunMessage:
     try:
-        return RunBatch.model_validate(values)
+        return RunMessage.model_validate(values)
     except ValidationError as invalid:
         raise InvalidTask(_problem(invalid.errors()[0], renamed)) from None
 
@@ -182,14 +172,14 @@ def log_outcome(executed: Executed) -> None:
     logger.log(level, message, **outcome_fields(executed))
 
 
-def send_runs(app: Any, queue: str, batch: RunBatch) -> None:
+def send_runs(app: Any, queue: str, batch: RunMessage) -> None:
     """Queue one run message (the dispatcher's, ``runs retry``'s and this task's way to hand
     runs to a worker). Celery retries a publish that meets a connection error, a bounded
     number of times (``task_publish_retry_policy``); what still fails is raised."""
     app.send_task(
         TASK_NAME, args=(batch.tenant_id, batch.workspace_id, list(batch.run_ids)), queue=queue
     )
-    metrics.record_enqueued(len(batch.run_ids))
+    hooks.emit(RunsEnqueued(len(batch.run_ids)))
 
 
 def send_run(app: Any, queue: str, ids: RunIds) -> None:
@@ -197,14 +187,14 @@ def send_run(app: Any, queue: str, ids: RunIds) -> None:
     send_runs(app, queue, ids.as_batch())
 
 
-def _execute(self: Any, batch: RunBatch) -> list[str]:
+def _execute(self: Any, batch: RunMessage) -> list[str]:
     """Execute ``batch``'s runs; return their outcomes' names (Celery discards them: there is
     no result backend)."""
     request = self.request
     settings = process.settings
     assert settings is not None, "tasks.app.create_celery configures the process"
     if request.retries or (request.delivery_info or {}).get("redelivered"):
-        metrics.record_redelivery()
+        hooks.emit(MessageRedelivered())
     with structlog.contextvars.bound_contextvars(
         tenant=batch.tenant_id,
         workspace=batch.workspace_id,
@@ -238,7 +228,7 @@ def _execute(self: Any, batch: RunBatch) -> list[str]:
         return [executed.outcome for executed in results]
 
 
-def _fail_lost(batch: RunBatch, delivery: int, max_redeliveries: int) -> Executed:
+def _fail_lost(batch: RunMessage, delivery: int, max_redeliveries: int) -> Executed:
     (run_id,) = batch.run_ids
     logger.error(
         "run's task killed its worker too often: failing the run",
@@ -260,7 +250,7 @@ def _fail_lost(batch: RunBatch, delivery: int, max_redeliveries: int) -> Execute
     )
 
 
-def _split(app: Any, queue: str, batch: RunBatch) -> None:
+def _split(app: Any, queue: str, batch: RunMessage) -> None:
     """Send each run of a message whose worker died as a message of its own."""
     for run_id in batch.run_ids:
         send_runs(app, queue, batch.model_copy(update={"run_ids": (run_id,)}))

@@ -1,30 +1,12 @@
-"""A worker process's one event loop, and the Celery signals that start and stop it.
+"""A worker process's one event loop, and the Celery signals that start and stop it (ADR-0010).
 
-relayr is async (both libraries are), Celery tasks are not. Async engines, artifactr's
-``SqlStorage`` and its ``Runner`` belong to the loop that made them, and an agent turn is a task
-of that loop: a loop per task (``asyncio.run``) would break the storage on the second task and
-cancel every turn when the task returns. So each pool process owns ONE loop, running forever in
-a background thread, created after the fork (``worker_process_init``), holding the process's
-:class:`relayr.runtime.process.Runtime`. A task body, in the process's main thread, hands its
-coroutine
-to that loop (``run_coroutine_threadsafe``) and waits for the result:
-
-- a turn that a run's send started keeps running on the loop after the task returns;
-- Celery's soft time limit, a signal that Python delivers to the main thread, interrupts the
-  wait; the task then cancels the coroutine on the loop (:meth:`EventLoopThread.call`);
-- on ``worker_process_shutdown`` the runtime is closed on its loop (running turns get
-  ``turn_grace_s``, then ``Runner.aclose`` and engine disposal, so no SQLite write lock or
-  PostgreSQL transaction outlives the process), then the loop stops.
-
-The runtime is started in the background when the process starts, so a slow start (migrations,
-``Runner.recover``) does not trip Celery's ``worker_proc_alive_timeout``; the first task waits
-for it. A start that failed is tried again by the next task. See ADR-0010.
-
-With tracing on, the main process configures its OpenTelemetry providers lazily (it records
-nothing a pool process could inherit) and each pool process its own, after the fork, before its
-runtime starts; a pool process that stops exports what it holds (ADR-0080). The trace context
-crosses to the loop's thread with the task's coroutine (``run_coroutine_threadsafe`` copies the
-caller's context, as it does structlog's).
+Each pool process owns ONE loop in a background thread, made after the fork
+(``worker_process_init``) and holding the process's :class:`relayr.runtime.process.Runtime`. A
+task hands its coroutine to it (:meth:`EventLoopThread.call`) and waits; a soft time limit
+cancels the coroutine, and a turn a run started keeps running after the task returns. The
+runtime starts in the background (the first task waits; a failed start is retried by the next)
+and closes on ``worker_process_shutdown``. Each pool process configures its own tracing after the
+fork (ADR-0080).
 """
 
 import asyncio
@@ -40,7 +22,8 @@ from celery import signals
 from celery.exceptions import Reject
 
 from relayr.core.errors import InvalidTask
-from relayr.observe import metrics
+from relayr.observe import hooks
+from relayr.observe.hooks import TurnsDrained
 from relayr.observe.logging import configure_logging
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -192,7 +175,7 @@ class PoolProcess:
                 except Exception:
                     logger.exception("closing the worker runtime failed")
                 # the loop is idle now: reading the turns' tasks from this thread is safe
-                metrics.record_turns_drained(sum(not turn.task.cancelled() for turn in turns))
+                hooks.emit(TurnsDrained(sum(not turn.task.cancelled() for turn in turns)))
         loop.stop()
         logger.info("worker process stopped", pid=os.getpid())
 

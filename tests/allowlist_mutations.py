@@ -2,7 +2,7 @@
 
 Hypothesis mutates the example file (``rules/allowlist.toml``) line by line (delete, repeat,
 swap, uncomment, insert or replace with lines an operator might write, or mistype) and
-character by character; tests/test_allowlist_mutated_files.py mutates it byte by byte too.
+character by character; tests/runtime/test_allowlist_mutated_files.py mutates it byte by byte too.
 Whatever comes out, ``assert_refused_or_granted_as_written`` checks that:
 
 - parsing raises nothing but ``InvalidAllowlist``, which names at least one problem;
@@ -11,7 +11,7 @@ Whatever comes out, ``assert_refused_or_granted_as_written`` checks that:
   else ``[default]``; a field the entry leaves out is not granted; ``reflexr:*`` gets nothing),
   says it states, so never anything wider.
 
-tests/test_allowlist_generated.py generates whole documents; these mutations start from the
+tests/core/test_allowlist_generated.py generates whole documents; these mutations start from the
 real one.
 """
 

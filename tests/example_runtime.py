@@ -2,8 +2,8 @@
 tests drive it: the settings they start it with, and :class:`Example`, which publishes events,
 runs the dispatcher's pass, executes the runs it enqueued and reads the threads back.
 
-Used by tests/test_runtime_lifecycle.py, tests/test_storage_opening.py,
-tests/test_example_application.py and tests/test_worker_turns.py.
+Used by tests/runtime/test_runtime_lifecycle.py, tests/runtime/test_storage_opening.py,
+tests/project/test_example_application.py and tests/execution/test_worker_turns.py.
 """
 
 from pathlib import Path
@@ -12,7 +12,7 @@ from artifactr import UserActor
 from artifactr.core import MessagePosted, RunEnded
 from reflexr import SourceActor
 
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import Dispatcher
 from relayr.execution.executor import Executed, execute_runs
 from relayr.runtime.process import Runtime
@@ -41,9 +41,9 @@ class Example:
         self.runtime = runtime
         self.application = runtime.application
         self.dispatcher = Dispatcher(runtime)
-        self.enqueued: list[RunBatch] = []
+        self.enqueued: list[RunMessage] = []
 
-    async def enqueue(self, batch: RunBatch) -> None:
+    async def enqueue(self, batch: RunMessage) -> None:
         self.enqueued.append(batch)
 
     async def thread(self, title: str) -> str:

@@ -5,8 +5,8 @@ would.
 Runs are created the way production creates them (reflexr's Reactor evaluates published
 events) and executed through ``execute_run`` as a worker would; :class:`Harness` reads what the
 store holds afterwards: the run, and the ``reflexr:run_*`` facts in the log. The tests are in
-tests/test_executor_outcomes.py, tests/test_executor_leases.py and
-tests/test_executor_batches.py.
+tests/execution/test_executor_outcomes.py, tests/execution/test_executor_leases.py and
+tests/execution/test_executor_batches.py.
 """
 
 import asyncio

@@ -3,8 +3,8 @@ followers and a dispatcher, and the loop that settles it in one process.
 
 :meth:`World.settle` drives the whole loop as the dispatcher and a worker would: follow every
 workspace, evaluate the rules and hand due runs to the executor, let the agent's turns end, and
-again, until nothing moves. Tests then check what the stores hold (tests/test_follow.py,
-tests/test_follow_chains.py).
+again, until nothing moves. Tests then check what the stores hold (tests/follow/test_follow.py,
+tests/follow/test_follow_chains.py).
 """
 
 import asyncio
@@ -22,7 +22,7 @@ from reflexr.core import Envelope
 from reflexr.workspace import Workspace as RuleWorkspace
 
 from relayr.core.allowlist_toml import parse_allowlist
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import Dispatcher
 from relayr.execution.executor import execute_runs
 from relayr.follow.config import Inbound
@@ -101,9 +101,9 @@ class World:
         """Follow (unless told not to), dispatch and execute until a round moves nothing; what
         following did."""
         total = Followed()
-        queue: list[RunBatch] = []
+        queue: list[RunMessage] = []
 
-        async def enqueue(batch: RunBatch) -> None:
+        async def enqueue(batch: RunMessage) -> None:
             queue.append(batch)
 
         for _ in range(SETTLE_ROUNDS):

@@ -4,8 +4,8 @@ driver, and the metrics they read.
 
 A test makes every fault and every "meanwhile" itself: an error injected into the statements
 that match (:class:`FailingStatements`), a gate the action waits on (:class:`tests.builders.Gates`),
-a store the test writes. The tests are in tests/test_commit_faults.py and
-tests/test_message_runs.py.
+a store the test writes. The tests are in tests/execution/test_commit_faults.py and
+tests/execution/test_message_runs.py.
 """
 
 import asyncio

@@ -1,20 +1,9 @@
 """The broker: which kombu transport carries relayr's messages, and how many wait in a queue.
 
-``RELAYR_BROKER_URL`` names the broker; this package decides the transport behind it
-(ADR-0013):
-
-- ``filesystem://`` (the embedded default): :mod:`relayr.broker.filesystem`, relayr's own
-  transport on files under ``RELAYR_HOME/broker``. It keeps kombu's URL scheme (the setting,
-  the docs and every deployment's environment still say ``filesystem://``), but not kombu's
-  transport, which hands consumers half-written messages under load and loses what a killed
-  worker held.
-- ``redis://``: :mod:`relayr.broker.redis`, kombu's Redis transport whose consumer sets aside
-  an entry of the queue that is not a kombu message instead of dying of it.
-- ``rediss://`` and ``memory://``: kombu's own transports. (TLS Redis keeps kombu's transport
-  because kombu picks its TLS defaults by the transport's name.)
-
-Only the class is swapped (Celery's ``broker_transport`` setting, which kombu prefers over the
-URL's scheme); URLs, options and folders are the settings' own.
+``RELAYR_BROKER_URL`` picks the transport (ADR-0013): ``filesystem://`` (the embedded default) is
+relayr's own :mod:`relayr.broker.filesystem`, ``redis://`` is :mod:`relayr.broker.redis`, and
+``rediss://`` and ``memory://`` are kombu's own. Only the class is swapped (Celery's
+``broker_transport``); URLs, options and folders are the settings' own.
 """
 
 from typing import Any, Final

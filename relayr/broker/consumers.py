@@ -1,12 +1,8 @@
-"""The embedded broker's consumers on disk: each one's folder and lock, and what happens to a
-dead consumer's messages.
+"""The embedded broker's consumers on disk: each one's folder and lock, and a dead one's messages.
 
-A consumer holds an ``flock`` on its lock file in ``consumers/`` for as long as it lives, and
-takes messages by renaming them into a folder of its own. A consumer whose lock can be taken
-died (the kernel releases an ``flock`` with its process, SIGKILL included): its messages go
-back to their queue (:func:`recover_dead_consumers`), in their enqueue order. Leftovers of a
-publisher or consumer that died mid-step are removed once they are old enough to be certain.
-:mod:`relayr.broker.filesystem` is the transport that uses this; see ADR-0013.
+A consumer holds an ``flock`` on its lock file for as long as it lives; one whose lock can be
+taken is dead, and :func:`recover_dead_consumers` moves its messages back to their queues in
+enqueue order. Leftovers of a process that died mid-step are removed once old enough (ADR-0013).
 """
 
 import fcntl

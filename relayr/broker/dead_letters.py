@@ -1,18 +1,9 @@
 """A message a consumer cannot use is set aside with one log line; it never kills the consumer.
 
-kombu's virtual transports hand whatever they read to ``json.loads`` and to their ``Message``
-class, and Celery calls an exception raised there, or in its own handling of a message,
-unrecoverable: the whole worker exits (a JSONDecodeError from kombu's filesystem transport did
-exactly that under load; on Redis, one entry that is not JSON does the same). So relayr's
-transports decode every message before kombu does (:func:`decode`) and, when they consume,
-wrap the consumer's callback (:class:`SetAsideOnError`): a message that is not JSON, not a
-kombu message, or that the consumer's callback raised on is moved where a person can read it
-(the broker's dead letters), one ``broker message set aside`` line names where it went and
-why, and the consumer goes on with the next message.
-
-Errors of the connection itself (Redis unreachable, say; any ``OSError`` on the embedded
-broker, whose files are its connection) are raised as before: those are for Celery to
-reconnect on, not the message's fault.
+relayr's transports decode every message before kombu does (:func:`decode`) and wrap the
+consumer's callback (:class:`SetAsideOnError`): a message that is not a kombu message, or that the
+callback raised on, goes to the broker's dead letters with one ``broker message set aside`` line,
+and the consumer goes on (ADR-0013). Connection errors are raised, for Celery to reconnect on.
 """
 
 import base64

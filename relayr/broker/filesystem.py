@@ -1,43 +1,17 @@
-"""relayr's embedded broker: a kombu transport on files that survives load and SIGKILL.
+"""relayr's embedded broker: a kombu transport on files that survives load and SIGKILL (ADR-0013).
 
-The guarantees (the folders are in :mod:`relayr.broker.layout`):
+Guarantees, on one local filesystem (the folders are :mod:`relayr.broker.layout`'s):
 
-- **A consumer never reads a half-written message.** A publisher writes the message under
-  ``incoming/`` and renames it into its queue's folder; a rename is atomic, so a message file
-  in a queue folder is complete. (kombu's own filesystem transport creates the file in the
-  queue folder and then writes it: a consumer listing the folder in between read an empty file,
-  and Celery exited on the decode error.)
-- **A message is kept until it is acknowledged.** A consumer takes a message by renaming it
-  into a folder of its own (a rename that fails means another consumer took it first); ack
-  deletes it there; reject with requeue, a warm shutdown's restore (kombu's ``QoS``) and a
-  channel's close move it back to its queue. A consumer holds an ``flock`` on its lock file as
-  long as it lives; any consumer that can take that lock knows the owner is dead and moves the
-  owner's messages back (when it starts, then every :data:`RECOVER_EVERY_S`). So a SIGKILLed
-  worker's messages wait at most :data:`RECOVER_EVERY_S` plus one poll, while any consumer of
-  the same broker folder runs, or else until the next one starts.
-- **A file that is not a kombu message is set aside**, never raised into Celery
-  (:mod:`relayr.broker.dead_letters`); so is a message its consumer raised on or rejected, and
-  a file that is not a regular file (a folder, a FIFO that would block the consumer). A file
-  that cannot be read for a reason of the process or the disk (no descriptor left, an I/O
-  error) goes back to its queue and the ``OSError`` is raised: one of this transport's
-  connection errors, on which Celery reconnects. Nothing is ever deleted but by an ack: a
-  message that cannot be moved into its dead letters stays in its consumer's folder, and goes
-  back to its queue when that consumer stops or dies.
-- **FIFO by enqueue time**, and a listing serves many messages: a consumer lists its queue's
-  folder once, keeps the :data:`~relayr.broker.filesystem_channel.CANDIDATES_PER_LISTING`
-  oldest names and takes them in order, and lists again when they are used up (kombu's lists
-  the folder for every message: a backlog of N costs O(N) per message).
-- **Fast enough to keep a worker busy**: an empty queue is polled every
-  :data:`POLLING_INTERVAL_S`, and a consumer held back by its prefetch limit wakes as soon as it
-  acknowledges a message, not at the next poll.
+- a consumer never reads a half-written message (publishers write, then rename);
+- a message is kept until acknowledged: a consumer takes it by renaming it into its own folder,
+  and any consumer moves a dead consumer's messages back (at start, then every
+  :data:`RECOVER_EVERY_S`); nothing is deleted but by an ack;
+- a file that is not a usable message is set aside (:mod:`relayr.broker.dead_letters`), never
+  raised into Celery; an ``OSError`` is a connection error, on which Celery reconnects;
+- messages are taken FIFO by enqueue time; an empty queue is polled every
+  :data:`POLLING_INTERVAL_S`.
 
-Bindings (which queues an exchange routes to) are kombu's filesystem transport's own files in
-``exchanges/``, which every process reads, so Celery's remote control (a fanout exchange) and
-task events work across processes as they did. The folder must be on a local filesystem
-(``flock`` and atomic ``rename`` are what the guarantees rest on). See ADR-0013.
-
-This module is the transport: it waits for messages, wakes, and looks for dead consumers; its
-channel, which moves the files, is :mod:`relayr.broker.filesystem_channel`.
+This module waits, wakes and recovers; :mod:`relayr.broker.filesystem_channel` moves the files.
 """
 
 import threading

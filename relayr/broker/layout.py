@@ -1,23 +1,15 @@
 """Where the embedded broker keeps what, and how a message file is named (no kombu, no I/O).
 
-One folder (``RELAYR_HOME/broker``) holds everything; every rename the broker makes stays
-inside it, so each is atomic (one filesystem):
+Everything lives in one folder (``RELAYR_HOME/broker``), so every rename is atomic (ADR-0013):
 
-- ``queues/<queue>/``: messages waiting, one file each. A sorted listing is FIFO: a name starts
-  with the enqueue time (wall clock, nanoseconds, 20 digits), then the publisher's pid and a
-  counter of its own, then random digits.
-- ``incoming/``: a publisher writes a message here, then renames it into its queue's folder,
-  so a consumer never sees a file that is still being written.
-- ``consumers/<id>.lock`` and ``consumers/<id>/<queue>/``: the messages one consumer took and
-  has not acknowledged yet. The consumer holds an ``flock`` on its lock file for as long as it
-  lives; a lock that another process can take belongs to a dead consumer.
-- ``dead/<queue>/``: messages set aside: a file that is not a kombu message, or one the worker
-  could not handle or rejected. They are kept for a person to read, never delivered again.
-- ``exchanges/``: kombu's bindings of queues to exchanges (one JSON file per exchange), which
-  every process reads, so fanout (Celery's remote control) and routing work across processes.
+- ``queues/<queue>/``: waiting messages, named by enqueue time first, so a sorted listing is FIFO;
+- ``incoming/``: where a publisher writes a message before renaming it into its queue;
+- ``consumers/<id>.lock`` and ``consumers/<id>/<queue>/``: a live consumer's ``flock`` and the
+  messages it took and has not acknowledged;
+- ``dead/<queue>/``: messages set aside for a person, never delivered again;
+- ``exchanges/``: kombu's bindings, read by every process.
 
-A message that comes back to its queue (requeued, restored at a warm shutdown, or taken from a
-dead consumer) keeps its name's time, so it is the next one taken, and gets
+A message that comes back to its queue keeps its time (it is taken next) and gets
 :data:`REDELIVERED_SUFFIX`, so its next delivery says ``redelivered``.
 """
 

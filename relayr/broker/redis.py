@@ -1,20 +1,9 @@
-"""kombu's Redis transport, with a consumer that sets aside an entry it cannot use.
+"""kombu's Redis transport, with a consumer that sets aside an entry it cannot use (ADR-0013).
 
-kombu decodes what ``BRPOP`` returns with ``json.loads`` and builds its ``Message`` from it,
-outside anything Celery guards: one entry in a queue's list that is not JSON, or JSON that is
-not a kombu message, stops a worker (an unhashable task name, say) or makes it reconnect and
-drop the entry (a missing key). Measured on kombu 5.7 with a real worker; see
-tests/test_broker_worker.py.
-
-Here the channel's ``BRPOP`` replies are screened through redis-py's response callback (its
-public hook for a command's reply) before kombu sees them: an entry that does not decode to a
-kombu message is pushed, byte for byte, onto the list ``<queue>.dead`` next to its queue, one
-``broker message set aside`` line names the list and the problem, and the consumer goes on (to
-kombu the reply looks like a ``BRPOP`` that timed out). A message the consumer's callback
-raised on, or rejected without requeue, goes to the same list (as kombu's JSON of it).
-
-What is not covered: fanout (pub/sub) messages, which kombu already drops with a warning when
-they are not JSON, and ``rediss://``, which keeps kombu's transport (see :mod:`relayr.broker`).
+The channel's ``BRPOP`` replies are screened (redis-py's response callback) before kombu decodes
+them: an entry that is not a kombu message, or that the consumer raised on or rejected, is pushed
+onto ``<queue>.dead`` with one ``broker message set aside`` log line, and the consumer goes on.
+Fanout messages and ``rediss://`` keep kombu's own handling.
 """
 
 from typing import Any, Final

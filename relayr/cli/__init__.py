@@ -1,27 +1,11 @@
 """The ``relayr`` command line: the one package that composes relayr's engine with ``tasks``.
 
-Every command reads the settings once from ``RELAYR_*`` (:class:`relayr.settings.Settings`), and
-commands that print data take ``--json``. Bad input (a malformed ``TENANT/WORKSPACE``, data that
-is not a JSON object, an unknown event type, invalid settings, allowlist or application) stops
-the command before it writes anything, with one line naming what is wrong and exit code 2
-(:mod:`relayr.cli.helpers`).
-
-The commands, by family, each in a module of its own:
-
-- :mod:`relayr.cli.serve`: ``relayr worker``, ``relayr dispatch`` and ``relayr run``;
-- :mod:`relayr.cli.publish` and :mod:`relayr.cli.threads`: ``relayr publish``,
-  ``relayr thread create`` and ``relayr thread show``, to try rules by hand;
-- :mod:`relayr.cli.demo`: ``relayr demo``;
-- :mod:`relayr.cli.follow`: ``relayr follow``, the followers alone, and their dead letters;
-- :mod:`relayr.cli.allowlist`, :mod:`relayr.cli.runs`, :mod:`relayr.cli.health`: the operators'
-  ``relayr allowlist``, ``relayr runs`` and ``relayr health``;
-- :mod:`relayr.cli.console`: ``relayr console``, the same in a browser (:mod:`relayr.console`).
-
-A command's module is imported when the command is called or listed, and imports only click and
-the helpers when it is: Celery, the libraries and the application are imported by the command
-that needs them, when it runs. So ``relayr --help`` imports click and these modules only, and
-``relayr publish`` loads reflexr but no artifactr (ADR-0050). :mod:`relayr.cli.processes` is
-the one wrapper of the relayr and Celery processes the CLI, the tests and the benchmarks start.
+Each command family has a module of its own (``serve``, ``publish``, ``threads``, ``demo``,
+``follow``, ``allowlist``, ``runs``, ``health``, ``console``). Every command reads the settings
+once, takes ``--json`` when it prints data, and stops on bad input before writing anything, with
+one line naming what is wrong and exit code 2 (:mod:`relayr.cli.helpers`). A command's module
+imports only click and the helpers; Celery, the libraries and the application are imported when
+the command runs (ADR-0050).
 """
 
 import importlib

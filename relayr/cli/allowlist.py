@@ -98,7 +98,7 @@ def rule_names(settings: "Settings") -> list[str]:
     """
 
     async def names() -> list[str]:
-        from relayr.runtime.parts import opened_rules
+        from relayr.runtime.application_parts import opened_rules
 
         async with opened_rules(settings) as rules:
             return sorted(rules.rules)

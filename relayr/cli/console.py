@@ -1,24 +1,11 @@
 """``relayr console``: the ops console in the browser (:mod:`relayr.console`), served by uvicorn.
 
-The console runs on the same settings and storage as every other command, the embedded
-defaults included: one runtime of this process, opened in the loop uvicorn serves on (the
-libraries' engines belong to the loop that made them), and the enqueue ``relayr runs retry``
-uses, so a retry from the browser is the command line's retry.
-
-It binds to loopback unless ``--host`` says otherwise, and reads only unless
-``RELAYR_CONSOLE_TOKEN`` is set (ADR-0070). Wherever it listens, it answers only requests
-addressed to an IP address, ``localhost`` or a name given with ``--allowed-host`` (DNS
-rebinding: :mod:`relayr.console.security`); ``--https-only`` marks its session cookie Secure
-behind a proxy that terminates TLS. The settings are read, then the address is bound, before
-the runtime is opened: invalid settings, a malformed ``--allowed-host``, a port in use and an
-application that cannot load are each bad input (exit code 2). ``--port 0`` takes a free port;
-the line the command prints names the one it took.
-
-``relayr console --probe`` asks a running console's ``/healthz`` (exit 0, or 1 when it does not
-answer): the health check of a deployment that runs it.
-
-Starlette, Jinja2 and uvicorn are imported when the command runs, never for ``--help``
-(ADR-0050).
+Same settings and storage as every command; a retry from the browser is ``relayr runs retry``'s.
+It binds to loopback unless ``--host`` says otherwise, acts only with ``RELAYR_CONSOLE_TOKEN``
+set, and answers only IP addresses, ``localhost`` and ``--allowed-host`` names (ADR-0070).
+Invalid settings, a malformed ``--allowed-host``, a port in use or an application that cannot
+load are bad input (exit 2). ``--port 0`` takes a free port and prints it; ``--probe`` asks a
+running console's ``/healthz``.
 """
 
 import re

@@ -1,12 +1,8 @@
 """``relayr demo``: the example application end to end, on embedded defaults, with a real worker.
 
-``relayr demo`` (and ``make demo``) starts from a fresh home of its own under
-``.relayr/demo-<time>-<pid>`` (so a second run starts clean), starts a ``relayr worker``
-subprocess, creates threads, publishes a mix of the example's two events, runs the dispatcher in
-this process until every run and every turn has ended (bounded by a timeout), prints each
-thread's transcript and a summary, and exits 1 if any count is off. The scenario and its counts
-are :mod:`relayr.demo`'s; :func:`run_scenario` dispatches it on Celery, for the demo and for the
-tests that run it against real workers.
+In a fresh home of its own it starts a worker subprocess, runs the :mod:`relayr.demo` scenario
+with the dispatcher in this process, prints each thread's transcript and a summary, and exits 1
+if any count is off. :func:`run_scenario` is the scenario on Celery, for the demo and the tests.
 """
 
 import sys

@@ -1,19 +1,9 @@
-"""``relayr follow``: bridge artifactr's logs into reflexr alone, see where it stands, and replay
-what it could not bridge.
+"""``relayr follow``: the followers alone, where they stand, and what they could not bridge.
 
-- ``relayr follow``: the followers alone, a pass every ``RELAYR_DISPATCH_INTERVAL_S`` until
-  Ctrl-C or SIGTERM (``--once``: one pass, then what it did), for a deployment that runs them
-  apart from the dispatcher (which then runs with ``--no-follow``). Any number may run: one
-  lease per workspace lets one follower follow it at a time.
-- ``relayr follow status``: each workspace's cursor, artifactr's head, the lag between them, who
-  holds its lease, and its dead letters.
-- ``relayr follow dead-letters list``: the envelopes no follower could bridge, and why.
-- ``relayr follow dead-letters replay TENANT/WORKSPACE [ID]... | --all``: project them again
-  and publish each under its envelope's id (once, however often it is replayed); exit 1 if
-  some fail again, are not waiting dead letters, or were left waiting (no projection bridges
-  them now, or artifactr's log no longer has their envelope).
-
-Every command builds the whole application (both libraries: artifactr's log in, reflexr's out).
+``relayr follow`` runs a pass every ``RELAYR_DISPATCH_INTERVAL_S`` (``--once``: one) beside a
+dispatcher started with ``--no-follow``; any number may run. ``status`` shows each workspace's
+cursor, lag, lease and dead letters; ``dead-letters list`` and ``dead-letters replay`` show and
+publish again what could not be bridged (exit 1 if some are still not bridged). ADR-0065.
 """
 
 import sys

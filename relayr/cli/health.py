@@ -1,13 +1,7 @@
-"""``relayr health``: the probe's command over :mod:`relayr.observe.health`'s checks.
+"""``relayr health``: the probe's command over :mod:`relayr.observe.health`'s checks (ADR-0031).
 
-A probe runs it every few seconds on every pod (ADR-0031): it imports the checks (a Redis
-client, SQLAlchemy) and nothing of the libraries or the application. Exit code 0 when healthy,
-1 when a check failed (:data:`relayr.cli.helpers.EXIT_UNHEALTHY`), 2 for bad input (settings).
-
-The defaults of ``--timeout`` and ``--max-age`` are :mod:`relayr.observe.health`'s, which this
-module
-imports only when the command runs: the checks load a Redis client and SQLAlchemy, which
-``--help`` must not (the test of this module's help checks that the two agree).
+Exit 0 when healthy, 1 when a check failed (:data:`relayr.cli.helpers.EXIT_UNHEALTHY`), 2 for
+bad input. The checks (a Redis client, SQLAlchemy) are imported only when the command runs.
 """
 
 from typing import Any, Literal

@@ -1,23 +1,11 @@
 """What every ``relayr`` command shares: exit codes, bad input, settings, ids, JSON, the loop.
 
-One place for each, so every command answers the same way:
-
-- **Exit codes** (:data:`EXIT_BAD_INPUT` and the rest). Bad input (malformed arguments, invalid
-  settings, an allowlist or application that cannot be loaded, a thread or run that does not
-  exist) ends a command with one line on stderr, ``Error: ...`` naming what is wrong, and exit
-  code 2, before anything is written: :class:`BadInput`.
-- **Settings**: :func:`load_settings` reads them once; invalid ones are bad input. With
-  tracing on, it configures this process's OpenTelemetry providers for its role (ADR-0080).
-- **Ids**: :func:`parse_workspace` and :func:`parse_id`, one set of rules for what a tenant,
-  workspace, thread, run or event id typed on the command line may look like.
-- **JSON**: :func:`echo_json`, one object or list per line on stdout.
-- **The loop**: :func:`run_async` runs a command's coroutine on this process's one loop, and
-  turns relayr's refusals of the settings, application or allowlist into bad input;
-  :func:`in_runtime` does so with a :class:`relayr.runtime.process.Runtime`.
-
-This module imports click, relayr's errors and its reading of ids (:mod:`relayr.core.parsing`)
-only, and the settings (pydantic-settings) when a command reads them: every command module
-imports it, and ``relayr --help`` imports every command module (ADR-0050).
+:class:`BadInput` ends a command with one ``Error: ...`` line and exit code 2 before anything is
+written; :func:`load_settings` reads the settings once (and configures tracing for the role);
+:func:`parse_workspace` and :func:`parse_id` check ids typed on the command line;
+:func:`echo_json` prints JSON; :func:`run_async` and :func:`in_runtime` run a command on the
+process's one loop. Every command module imports this one, so it imports click and relayr's
+errors only (ADR-0050).
 """
 
 import json

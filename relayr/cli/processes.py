@@ -1,23 +1,11 @@
 """relayr and Celery processes, started, waited for and always stopped whole.
 
-One wrapper, :class:`RelayrProcess`, for every process relayr starts as a child: ``relayr run``'s
-worker subprocess (:mod:`relayr.runtime.supervisor` restarts it), the real workers and dispatchers
-of
-the tests, and the benchmarks' workers. Each process:
-
-- runs in a session of its own, so stopping or killing it reaches its pool processes too;
-- writes its output to a log file when given one (read with :meth:`RelayrProcess.log`), or
-  shares this process's;
-- is ready when a line of its log says so (:meth:`RelayrProcess.ready`; Celery's
-  ``celery@host ready.``), and fails naming its log if it exits or stays silent instead;
-- stops with SIGTERM (a warm shutdown: running tasks finish, turns get their grace), and is
-  killed with its whole session if it is still there after the timeout, and in any case its
-  session's leftovers (pool processes whose main process died first) are killed.
-
-Commands are built here too (:func:`relayr_command`, :func:`celery_worker_command`), as is a
-child's environment (:func:`settings_environment`), so a test starts a worker exactly as
-``relayr run`` and the benchmarks do. This module imports the standard library, relayr's
-errors and its settings (for a child's environment: pydantic-settings, no library, no Celery).
+:class:`RelayrProcess` wraps every child relayr starts (``relayr run``'s worker, the tests' and
+the benchmarks' workers and dispatchers): it runs in a session of its own, is ready when its log
+says so (:meth:`RelayrProcess.ready`), stops with SIGTERM and then has its whole session killed,
+leftovers included. :func:`relayr_command`, :func:`celery_worker_command` and
+:func:`settings_environment` build a child's command and environment, so a test starts a worker
+exactly as ``relayr run`` does.
 """
 
 import os

@@ -1,24 +1,11 @@
 """``relayr publish``: one event, or a file of them, into a workspace's log.
 
-One event: ``--data`` with its fields as a JSON object, and ``--id`` to publish it once. Many:
-``--data-file FILE`` (``-`` for stdin) with one JSON object per line, in one process:
-
-- **Everything is checked before the first write.** Each line must be UTF-8 text, a JSON
-  object and a valid event (of EVENT_TYPE, or of the type its ``"type"`` names when EVENT_TYPE
-  is left out); the first bad line is refused with its number, exit code 2, and nothing is
-  published. Whether the application accepts each type from the command line is reflexr's to
-  say, and it says so before a transaction starts: the first transaction reaches past the first
-  event of every type in the file, so a refusal comes before anything is written.
-- **Few transactions.** reflexr's ``publish_many`` logs a list of events atomically, in one
-  transaction; the file goes in chunks of :data:`CHUNK_EVENTS`, so a large file neither holds
-  the database's write lock for long nor builds one huge transaction.
-- **Once.** ``--id-prefix P`` gives the event of line N the id ``P-N``: publishing the file again
-  adds nothing, and a file whose publishing stopped half way can be published again whole.
-  Without a prefix, the error of a publish that stopped half way names the last line published:
-  publish the lines after it, not the whole file again.
-- A progress bar on stderr when it is a terminal (tqdm), nothing otherwise.
-
-This command builds only the application's rules part (reflexr, ADR-0050): no artifactr.
+One event: ``--data`` (a JSON object), ``--id`` to publish it once. Many: ``--data-file FILE``
+(``-`` for stdin), one JSON object per line. Every line is checked before the first write (the
+first bad one is named, exit 2, nothing published); the file goes in transactions of
+:data:`CHUNK_EVENTS`. ``--id-prefix P`` gives line N the id ``P-N``, so publishing the file again
+adds nothing; without it, a publish that stopped half way names the last line published.
+Builds the application's rules part only (ADR-0050).
 """
 
 import json
@@ -299,7 +286,7 @@ def _publish_one(
 ) -> None:
     from reflexr.core import Forbidden, NotFound
 
-    from relayr.runtime.parts import opened_rules
+    from relayr.runtime.application_parts import opened_rules
 
     async def main() -> dict[str, Any]:
         async with opened_rules(settings) as rules:
@@ -340,7 +327,7 @@ def _publish_lines(
 ) -> None:
     from reflexr.core import Forbidden, NotFound
 
-    from relayr.runtime.parts import opened_rules
+    from relayr.runtime.application_parts import opened_rules
 
     done: list[Any] = []
     transactions = 0

@@ -1,21 +1,9 @@
 """``relayr runs list|show|retry|cancel|skip``: find failed runs across workspaces, act on them.
 
-Ops own failed runs: ``list`` finds them across every workspace (:mod:`relayr.ops.rows`),
-``show`` tells one whole (attempts, emissions, the turns its messages started:
-:mod:`relayr.ops.report`), and ``retry``, ``cancel`` and ``skip`` change them through reflexr's
-own operator operations (:mod:`relayr.ops.runs`). A retry also enqueues the run, so it runs without
-waiting for the dispatcher. Every command that prints data has ``--json``.
-
-Exit codes: 0 when every run was changed (and, for a retry, enqueued); 1 when some were refused,
-or when the enqueue failed (the broker stayed unavailable through its bounded retries, or
-refused the message: those runs are retried in reflexr and stay due, and the dispatcher
-enqueues them; ADR-0034); 2 for bad input: arguments, settings, application, a malformed run id,
-or a run id that names no run. Every id is checked, and every run found, before the first is
-changed: a typo among the ids changes nothing.
-
-``list``, ``retry``, ``cancel`` and ``skip`` build the application's rules part only (reflexr,
-ADR-0050); ``show`` reads turns in artifactr and records in the ledger, so it starts a whole
-runtime.
+Changes go through reflexr's operator operations (:mod:`relayr.ops.runs`); a retry also enqueues
+the run. Every id is checked and every run found before the first change, so a typo changes
+nothing. Exit 0 when every run was changed (and enqueued), 1 when some were refused or the
+enqueue failed (those runs stay due for the dispatcher, ADR-0034), 2 for bad input.
 """
 
 from collections.abc import Awaitable, Callable, Sequence
@@ -41,7 +29,7 @@ if TYPE_CHECKING:
     from reflexr.workspace import Workspaces
 
     from relayr.ops.rows import RunFilter, RunRow
-    from relayr.ops.runs import Done, EnqueueRun
+    from relayr.ops.runs import EnqueueRun, OperatorResult
     from relayr.runtime.process import Runtime
     from relayr.settings import Settings
 
@@ -118,7 +106,7 @@ def on_rules[T](settings: "Settings", work: Callable[["Workspaces"], Awaitable[T
     """Run ``work`` on the application's reflexr workspaces (its rules part), then close them."""
 
     async def main() -> T:
-        from relayr.runtime.parts import opened_rules
+        from relayr.runtime.application_parts import opened_rules
 
         async with opened_rules(settings) as rules:
             return await work(rules)
@@ -267,7 +255,7 @@ def runs_retry(
     settings = load_settings()
     enqueue = enqueuer(settings)
 
-    async def work(rules: "Workspaces") -> list["Done"]:
+    async def work(rules: "Workspaces") -> list["OperatorResult"]:
         from relayr.ops.rows import list_runs
         from relayr.ops.runs import retry
 
@@ -298,7 +286,7 @@ def runs_cancel(
     where = parse_optional_workspace(workspace)
     settings = load_settings()
 
-    async def work(rules: "Workspaces") -> list["Done"]:
+    async def work(rules: "Workspaces") -> list["OperatorResult"]:
         from relayr.ops.runs import cancel
 
         return await cancel(rules, await _targets(rules, ids, where), reason=reason)
@@ -317,7 +305,7 @@ def runs_skip(run_ids: tuple[str, ...], reason: str, workspace: str | None, as_j
     where = parse_optional_workspace(workspace)
     settings = load_settings()
 
-    async def work(rules: "Workspaces") -> list["Done"]:
+    async def work(rules: "Workspaces") -> list["OperatorResult"]:
         from relayr.ops.runs import skip
 
         return await skip(rules, await _targets(rules, ids, where), reason=reason)
@@ -376,7 +364,7 @@ async def _targets(
     return found
 
 
-def _report(results: list["Done"], as_json: bool, *, problem: str | None = None) -> None:
+def _report(results: list["OperatorResult"], as_json: bool, *, problem: str | None = None) -> None:
     """Print what was done to each run, then ``problem`` on stderr; exit 1 if any was refused
     or there is a problem."""
     import sys

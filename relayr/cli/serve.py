@@ -1,18 +1,9 @@
 """The long-running commands: ``relayr worker``, ``relayr dispatch`` and ``relayr run``.
 
-- ``relayr worker``: a Celery worker for relayr's run tasks (prefork: one event loop per pool
-  process, :mod:`tasks.worker`). It refuses to start when its allowlist or application cannot be
-  loaded: exit code 2, which ``relayr run`` reads as "cannot start" (ADR-0033).
-- ``relayr dispatch``: the dispatcher: follows artifactr's logs into reflexr (unless
-  ``--no-follow``: ``relayr follow`` runs the followers apart, ADR-0065), evaluates rules and
-  queues each due run once per attempt, refreshing its heartbeat after each pass (ADR-0031).
-- ``relayr run``: both on one machine: the dispatcher here, and a worker subprocess
-  (:class:`relayr.cli.processes.RelayrProcess`) that :mod:`relayr.runtime.supervisor` starts again
-  when
-  it exits.
-
-Celery, the libraries and the application are imported when a command runs, not when this module
-is imported: ``relayr --help`` imports it to print the commands (ADR-0050).
+``relayr worker`` is a Celery worker for the run tasks; it exits with code 2 when its allowlist
+or application cannot load, which ``relayr run`` reads as "cannot start" (ADR-0033). ``relayr
+dispatch`` follows (unless ``--no-follow``), evaluates and enqueues. ``relayr run`` runs the
+dispatcher here and a supervised worker subprocess. Heavy imports wait until a command runs.
 """
 
 from collections.abc import Callable
@@ -33,7 +24,7 @@ from relayr.cli.helpers import (
 if TYPE_CHECKING:
     import asyncio
 
-    from relayr.core.run_messages import RunBatch
+    from relayr.core.run_messages import RunMessage
     from relayr.dispatch.dispatcher import Enqueue
     from relayr.runtime.process import Runtime
     from relayr.settings import Settings
@@ -200,7 +191,7 @@ def batch_enqueuer(settings: "Settings") -> "Enqueue":
     app = create_celery(settings)
     queue = settings.queue
 
-    async def enqueue(batch: "RunBatch") -> None:
+    async def enqueue(batch: "RunMessage") -> None:
         await asyncio.to_thread(send_runs, app, queue, batch)
 
     return enqueue

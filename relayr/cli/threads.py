@@ -51,7 +51,7 @@ def thread_create(where: str, title: str, as_json: bool) -> None:
     settings = load_settings()
 
     async def main() -> str:
-        from relayr.runtime.parts import opened_artifacts
+        from relayr.runtime.application_parts import opened_artifacts
 
         async with opened_artifacts(settings) as artifacts:
             handle = await artifacts.open(
@@ -81,7 +81,7 @@ def thread_show(where: str, thread_id: str, as_json: bool) -> None:
     async def main() -> list[ThreadEntry]:
         from artifactr.core import NotFound
 
-        from relayr.runtime.parts import opened_artifacts
+        from relayr.runtime.application_parts import opened_artifacts
 
         async with opened_artifacts(settings) as artifacts:
             handle = await artifacts.open(

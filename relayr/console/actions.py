@@ -1,16 +1,9 @@
 """What the console's buttons do: the command line's own operations on runs, nothing else.
 
-Each action is the call ``relayr runs`` makes (:mod:`relayr.ops.runs`), with the same enqueue
-(:func:`relayr.cli.runs.enqueuer`, handed in by ``relayr console``), so a run retried from the
-browser is retried exactly as ``relayr runs retry`` retries it: reflexr's operator retry, then
-an enqueue that rides out a broker restart and, when the broker stays down, leaves the run
-retried for the dispatcher (ADR-0034).
-
-Retrying the dead runs of a filter takes two steps. The preview is ``relayr runs retry --dead
---dry-run``: the dead runs the filter selects now, each as the dry run judges it. The
-confirmation names those runs, and only those: a run that died after the preview is not
-retried by it, and a run of the preview that is no longer dead (someone retried it meanwhile)
-is reported and left alone.
+Each action is the call ``relayr runs`` makes (:mod:`relayr.ops.runs`) with the same enqueue, so
+a retry from the browser is ``relayr runs retry`` (ADR-0034). Retrying a filter's dead runs is a
+preview (``--dead --dry-run``) then a confirmation that retries only the runs the preview named
+and still dead.
 """
 
 import secrets
@@ -27,7 +20,7 @@ from reflexr.workspace import WorkspaceRef
 from relayr.core import reasons
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.rows import RunRow, list_runs
-from relayr.ops.runs import Done, EnqueueRun, cancel, find_runs, retry, skip
+from relayr.ops.runs import EnqueueRun, OperatorResult, cancel, find_runs, retry, skip
 from relayr.runtime.process import Runtime
 
 from .queries import RunQuery
@@ -57,7 +50,7 @@ class Verdict:
     """What the preview says of retrying one dead run: it would be retried (``ok``), and whether
     it will certainly fail again, and why."""
 
-    done: Done
+    done: OperatorResult
     row: RunRow | None
     fails_again: str | None = None
 
@@ -75,11 +68,11 @@ class Preview:
     """Every dead run of the filter but its reason's, by reason: to filter the preview by."""
 
     @property
-    def results(self) -> list[Done]:
+    def results(self) -> list[OperatorResult]:
         return [verdict.done for verdict in self.verdicts]
 
     @property
-    def retried(self) -> list[Done]:
+    def retried(self) -> list[OperatorResult]:
         """The runs a confirmation would retry: those that may succeed."""
         return [v.done for v in self.verdicts if v.done.ok and v.fails_again is None]
 
@@ -96,7 +89,7 @@ class Outcome:
 
     action: str
     who: str
-    results: list[Done]
+    results: list[OperatorResult]
     problem: str | None
     back: str
 
@@ -126,7 +119,7 @@ async def retry_one(
     workspace: WorkspaceKey | None,
     *,
     actor: UserActor,
-) -> list[Done]:
+) -> list[OperatorResult]:
     """``relayr runs retry RUN``: reflexr's operator retry, then an enqueue."""
     rules = runtime.application.rules
     found, missing = await _find(runtime, [(workspace, run_id)])
@@ -140,7 +133,7 @@ async def cancel_one(
     *,
     reason: str,
     actor: UserActor,
-) -> list[Done]:
+) -> list[OperatorResult]:
     """``relayr runs cancel RUN --reason R``."""
     found, missing = await _find(runtime, [(workspace, run_id)])
     return [
@@ -156,7 +149,7 @@ async def skip_one(
     *,
     reason: str,
     actor: UserActor,
-) -> list[Done]:
+) -> list[OperatorResult]:
     """``relayr runs skip RUN --reason R``."""
     found, missing = await _find(runtime, [(workspace, run_id)])
     return [*missing, *await skip(runtime.application.rules, found, reason=reason, actor=actor)]
@@ -220,12 +213,14 @@ async def fails_again(runtime: Runtime, row: RunRow) -> str | None:
 
 async def confirm_retry(
     runtime: Runtime, enqueue: EnqueueRun, refs: Sequence[RunRef], *, actor: UserActor
-) -> list[Done]:
+) -> list[OperatorResult]:
     """Retry the runs a preview listed that are still dead, as ``relayr runs retry RUN...``."""
     found, missing = await _find(runtime, [(ref.workspace, ref.run_id) for ref in refs])
     dead = [row for row in found if row.status == "dead"]
     moved = [
-        Done(row.id, str(row.workspace), False, f"no longer dead ({row.status}): not retried")
+        OperatorResult(
+            row.id, str(row.workspace), False, f"no longer dead ({row.status}): not retried"
+        )
         for row in found
         if row.status != "dead"
     ]
@@ -236,7 +231,7 @@ async def confirm_retry(
     ]
 
 
-async def current_states(runtime: Runtime, results: Sequence[Done]) -> dict[str, RunRow]:
+async def current_states(runtime: Runtime, results: Sequence[OperatorResult]) -> dict[str, RunRow]:
     """Each run of an action's results as it is now, by ``workspace/id``."""
     named = [
         (WorkspaceKey(*result.workspace.split("/", 1)), result.run_id)
@@ -249,7 +244,7 @@ async def current_states(runtime: Runtime, results: Sequence[Done]) -> dict[str,
 
 async def _find(
     runtime: Runtime, named: Sequence[tuple[WorkspaceKey | None, str]]
-) -> tuple[list[RunRow], list[Done]]:
+) -> tuple[list[RunRow], list[OperatorResult]]:
     """The runs named, and a refusal for each that does not exist
     (:func:`relayr.ops.runs.find_runs`).
 

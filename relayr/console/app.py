@@ -58,7 +58,7 @@ from starlette.staticfiles import StaticFiles
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.audit import audit_trail
 from relayr.ops.rows import runs_with_id
-from relayr.ops.runs import Done, EnqueueRun, not_enqueued, operator
+from relayr.ops.runs import EnqueueRun, OperatorResult, not_enqueued, operator
 from relayr.runtime.process import Runtime
 from relayr.settings import redact
 
@@ -499,7 +499,7 @@ def create_app(console: Console) -> Starlette:
         )
 
     def done(
-        request: Request, action: str, actor: UserActor, results: list[Done], *, back: str
+        request: Request, action: str, actor: UserActor, results: list[OperatorResult], *, back: str
     ) -> Response:
         logger.info(
             "console action",

@@ -1,14 +1,9 @@
 """What the console's pages show, read with the calls the command line makes.
 
-Each page's data comes from the engine functions behind the matching command, so the console
-and the CLI never disagree about a run: the runs page is :func:`relayr.ops.rows.list_runs`
-(``relayr runs list``), a run's page :func:`relayr.ops.report.show_run` (``relayr runs show``)
-plus the events that fired it, a thread :func:`relayr.ops.transcript.read_thread` (``relayr thread
-show``), the allowlist ``explain`` for every rule with the file's warnings (``relayr allowlist
-check|explain``), and health the checks of ``relayr health`` with the broker's queue depth and
-the followers' status (``relayr follow status``).
-
-Nothing here writes. Every read runs on the console's one runtime, in its event loop.
+Each page's data comes from the engine function behind the matching command
+(:func:`relayr.ops.rows.list_runs`, :func:`relayr.ops.report.show_run`,
+:func:`relayr.ops.transcript.read_thread`, the allowlist's ``explain``, health's checks), so the
+console and the CLI never disagree. Nothing here writes; every read runs on the console's runtime.
 """
 
 import asyncio

@@ -1,30 +1,15 @@
 """Who may do what in the console: anyone who reaches it reads; only holders of the token act.
 
-The decisions (ADR-0070), each enforced here and nowhere else:
+Enforced here and nowhere else (ADR-0070):
 
-- **Reading needs nothing; acting needs the token.** Without ``RELAYR_CONSOLE_TOKEN`` the console
-  is read-only: it offers no action, and refuses every POST (403). With it, a person logs in
-  once with the token (a form, compared in constant time) and gets a signed session cookie
-  (HttpOnly, SameSite=Strict, Secure behind TLS with ``--https-only``); the cookie's signing key
-  is derived from the token, so changing the token logs everyone out, and every replica of the
-  console accepts the others' cookies. A login lasts :data:`SESSION_MAX_AGE_S` from the moment
-  it was made, which the session records (:func:`login_current`): not from the cookie's last
-  signature, which Starlette renews whenever the session changes (older releases: with every
-  response), so that a session in use would never end.
-- **Every change is a POST that carries the session's CSRF token** (a random value kept in the
-  signed session, sent back as a hidden form field, compared in constant time); a POST whose
-  ``Origin`` is another site's, or that a browser marks ``Sec-Fetch-Site: cross-site``, is
-  refused before its form is read. The login form carries one too, so another site cannot log
-  a browser in.
-- **Known host names only**: wherever it listens, the console answers a request only when its
-  ``Host`` is an IP address, ``localhost``, or a name given with ``--allowed-host``
-  (:func:`answers_to`), so a page on another site cannot read it through a DNS name of its own
-  that points at the console's address (DNS rebinding): a browser sends that name as ``Host``.
-  An IP address or ``localhost`` is no such name. ``--allowed-host '*'`` answers every name,
-  for a proxy that checks them itself.
-- **Nothing stored is trusted**: templates escape everything (Jinja2's autoescape), and every
-  response forbids scripts, frames and foreign resources (:data:`SECURITY_HEADERS`), so a
-  ``<script>`` in a message, a rule name or an error is shown as text and never runs.
+- without ``RELAYR_CONSOLE_TOKEN`` every POST is refused (403); with it, logging in with the token
+  gives a signed session that lasts :data:`SESSION_MAX_AGE_S` from the login
+  (:func:`login_current`);
+- every change is a POST carrying the session's CSRF token; a cross-site POST is refused first;
+- a request is answered only when its ``Host`` is an IP address, ``localhost`` or an
+  ``--allowed-host`` name (:func:`answers_to`: DNS rebinding);
+- nothing stored is trusted: templates escape everything and :data:`SECURITY_HEADERS` forbid
+  scripts, frames and foreign resources.
 """
 
 import hashlib

@@ -1,15 +1,11 @@
 """The operators' allowlist as a policy: what each rule may do beyond posting notices in its own
 threads, and why (pure: no file, no clock).
 
-Guarantee: a rule holds a permission only when the one entry chosen for it states that permission
-literally. Lookup takes a whole entry, the first of: the rule's own (``[rules."ops:triage"]``),
-its namespace's (``[namespaces.ops]``), the file's ``[default]``; a field that entry leaves out
-takes the built-in most restrictive value, never a wider entry's. So an empty ``[rules."ops:x"]``
-revokes what ``[namespaces.ops]`` would give, and adding an entry can never widen a field the
-entry does not mention.
-
-The file's text is parsed and validated by :mod:`relayr.core.allowlist_toml`; the file itself is
-read, and reloaded when it changes, by the engine (:mod:`relayr.runtime.allowlist_file`).
+A rule holds a permission only when the one entry chosen for it states it: the rule's own
+(``[rules."ops:triage"]``), else its namespace's (``[namespaces.ops]``), else ``[default]``. A
+field the entry leaves out takes the most restrictive value, never a wider entry's, so adding an
+entry never widens a field it does not mention. Parsing is :mod:`relayr.core.allowlist_toml`'s;
+reading the file is :mod:`relayr.runtime.allowlist_file`'s.
 """
 
 from collections.abc import Iterable, Mapping

@@ -1,15 +1,9 @@
 """Emission records: one durable, validated record of each notice or send a run made.
 
-The record says what was emitted, by which rule and run, where, by which route (``policy``)
-and with which outcome. It says what artifactr holds: a retried post whose first attempt
-posted a notice is recorded as that notice, whatever the allowlist says now (ADR-0062). A
-record is validated when it is written and again when it is read; a
-bad one is refused with a named code (:data:`CODES`) and never stored, so what ops read back is
-always a record this schema allows.
-
-The record is a pydantic model, so its JSON Schema is published with the repository
-(``docs/emission-record.schema.json``, :func:`json_schema`; a test keeps the two equal). Pure:
-no clock, no I/O.
+A record says what was emitted, by which rule and run, where, by which route and with which
+outcome, as artifactr holds it (ADR-0062). It is validated when written and when read; a bad one
+is refused with a code from :data:`CODES`. Its JSON Schema is ``docs/emission-record.schema.json``
+(:func:`json_schema`). Pure.
 """
 
 import json

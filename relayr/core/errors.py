@@ -1,10 +1,9 @@
 """relayr's errors: one root, grouped by family, each with a stable ``code`` for machines.
 
-Messages are lower case and name the ids involved, so a log line or a CLI error says what is
-wrong without a stack trace. A refusal of a rule's write is not one of these: it is a reflexr
+Messages are lower case and name the ids involved, so a log line or a CLI error says what is wrong
+without a stack trace. A refusal of a rule's write is not one of these: it is a reflexr
 ``RunFailure`` (see :mod:`relayr.execution.actions`), because reflexr's retry policy decides what
-happens
-to the run.
+happens to the run.
 """
 
 from dataclasses import dataclass

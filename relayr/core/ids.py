@@ -1,14 +1,9 @@
 """Derived ids: every write a run makes gets an id that its retries compute again.
 
-An id is a prefix and 16 hex digits of a SHA-256 over what makes the write itself: the run, the
-run's segment (how many checkpoints it has saved), the operation, what the write is (its thread
-and a digest of its content; a thread's title; an edit's artifact and path; an artifact's kind
-and a digest of its data), and how many identical writes the attempt made before it. The same
-writes on any retry get the same ids, whatever else changed, so artifactr refuses the second
-commit of each (ADR-0027) and a retried task makes each effect once. Two identical notices in
-one attempt still get two ids, since the second is counted after the first.
-
-Pure: no I/O, no clock.
+An id is a prefix and a SHA-256 digest of what makes the write itself (run, segment, operation,
+subject and content) and how many identical writes the attempt made before it. The same writes
+on any retry get the same ids, so artifactr refuses the second commit of each and a retried task
+makes each effect once (ADR-0020, ADR-0027). Pure.
 """
 
 import hashlib

@@ -1,21 +1,11 @@
 """Every reason a run's attempt can fail with, or its write be refused with: the one list.
 
-A reason is the stable code machines match on (reflexr keeps it as the run's ``reason``,
-``relayr_refusals_total`` counts refusals by it, the logs carry it); the message beside it is
-for people. relayr never writes a reason that is not here, except artifactr's own refusal codes
-that :func:`relayr.core.refusals.classify` passes through (``validation_failed``,
-``patch_failed``, ``forbidden``, ...), listed here too, and the reasons an application's own
-``RunFailure`` chooses.
-
-Whether a reason is permanent (no retry can help, so the rule's retry policy is skipped) is
-decided where the failure is made: :mod:`relayr.core.refusals` for a write,
-:mod:`relayr.execution.attempts`, :mod:`relayr.execution.invocation` and
-:mod:`relayr.execution.runs` for an attempt.
-ADR-0060 lists them with the why.
-
-The lost-attempt count (ADR-0022) travels in the error of an abandoned attempt, the only field
-of a run that reflexr keeps from one attempt to the next besides the reason:
-:func:`abandoned_error` writes it and :func:`lost_in_a_row` reads it back (ADR-0061).
+A reason is the stable code machines match on (the run's ``reason``, ``relayr_refusals_total``,
+the logs); its message is for people. relayr writes no other reason, besides the artifactr codes
+:func:`relayr.core.refusals.classify` passes through (listed here too) and an application's own
+``RunFailure``s. Whether a reason is permanent is decided where the failure is made (ADR-0060).
+The lost-attempt count travels in an abandoned attempt's error: :func:`abandoned_error` writes
+it, :func:`lost_in_a_row` reads it (ADR-0022, ADR-0061).
 """
 
 import re

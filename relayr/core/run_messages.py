@@ -41,7 +41,7 @@ Id = Annotated[
 """An id storage can hold."""
 
 
-class RunBatch(BaseModel):
+class RunMessage(BaseModel):
     """Runs of one workspace to execute: the payload of a run message."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

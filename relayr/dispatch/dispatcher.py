@@ -1,36 +1,12 @@
 """The dispatcher: decide which runs exist, and hand each due run to a queue, once per attempt.
 
-Each pass first follows every workspace's artifactr log into reflexr (:mod:`relayr.follow`:
-the bridged ``artifactr:*`` events, under one lease per workspace, ADR-0065), then ticks
-reflexr's schedules (when the application has any, with reflexr's ``Reactor``) and evaluates
-the rules of every workspace, each in one transaction up to the log's head as the pass found
-it (:mod:`relayr.dispatch.evaluation`; any number of dispatchers can run), then reads the runs that
-are
-due from the store: pending and retrying runs whose time has come and that are first in their
-scope, and ``running`` runs whose lease lapsed because their worker died. Due runs of one
-workspace go to the queue together, up to :data:`relayr.core.run_messages.MAX_BATCH_RUNS` per
-message
-(:class:`RunBatch`); a run whose last attempt was abandoned, so may be what killed its worker,
-goes alone.
-
-The store, not the queue, is the truth about a run (ADR-0001), so the dispatcher keeps only a
-hint in memory: which attempt of each run it enqueued, in which message. A run whose attempt
-changed is enqueued at once. A run still due at the attempt it was enqueued for is enqueued
-again only once its message is presumed lost, which the queue itself shows, since it hands out
-messages in the order they were sent (ADR-0003):
-
-- a message sent after it was taken by a worker (one of its runs left the due list), yet this
-  one's runs are still due: the queue went past it;
-- it is the oldest message still waiting, and the broker's queue is empty (when the broker can
-  say how many messages wait; else, being the oldest is enough);
-- it was taken (one of its runs started) and a run of it is still due: the claim failed.
-
-In each case the run is enqueued again :attr:`~relayr.settings.Settings.requeue_after_s`
-after the dispatcher first saw that, so a lost message costs that much time, however long the
-queue is and however long the run waited, and a message that merely waits behind others is
-never copied. A duplicate costs one claim that is declined (``contended`` or ``not_due``),
-never a second attempt. A restarted dispatcher knows nothing and enqueues every due run once
-more, the same harmless duplicate.
+Each pass follows every workspace's artifactr log into reflexr (ADR-0065), ticks schedules,
+evaluates the rules (:mod:`relayr.dispatch.evaluation`), then enqueues the due runs of each
+workspace, up to :data:`relayr.core.run_messages.MAX_BATCH_RUNS` per message (a run whose last
+attempt was abandoned goes alone). The store is the truth (ADR-0001): the dispatcher remembers
+only which attempt it enqueued, and enqueues again a run whose message it presumes lost,
+:attr:`~relayr.settings.Settings.requeue_after_s` after the queue shows it (ADR-0003). A
+duplicate costs one declined claim, never a second attempt; any number of dispatchers can run.
 """
 
 import asyncio
@@ -48,7 +24,7 @@ from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
 from relayr import broker
 from relayr.core import reasons
-from relayr.core.run_messages import MAX_BATCH_RUNS, RunBatch
+from relayr.core.run_messages import MAX_BATCH_RUNS, RunMessage
 from relayr.dispatch.evaluation import evaluate_all
 from relayr.observe import telemetry
 from relayr.runtime.process import Runtime
@@ -57,7 +33,7 @@ from relayr.settings import Settings
 if TYPE_CHECKING:
     from relayr.follow.follower import Followers
 
-type Enqueue = Callable[[RunBatch], Awaitable[None]]
+type Enqueue = Callable[[RunMessage], Awaitable[None]]
 """Hands one message to the queue: ``await enqueue(batch)``."""
 
 type QueueDepth = Callable[[], Awaitable[int | None]]
@@ -340,7 +316,7 @@ class Dispatcher:
 
 def _batches(
     runs: Sequence[tuple[_RunKey, Run]],
-) -> Iterator[tuple[RunBatch, list[tuple[_RunKey, Run]]]]:
+) -> Iterator[tuple[RunMessage, list[tuple[_RunKey, Run]]]]:
     """Group runs into messages of one workspace each, in order, sized so the pass's runs make
     at least :data:`MESSAGES_PER_BURST` messages of at most MAX_BATCH_RUNS runs; a run whose
     last attempt was abandoned goes alone."""
@@ -356,7 +332,7 @@ def _batches(
         groups.extend(members[index : index + size] for index in range(0, len(members), size))
     for group in groups:
         tenant_id, workspace_id, _ = group[0][0]
-        batch = RunBatch(
+        batch = RunMessage(
             tenant_id=tenant_id,
             workspace_id=workspace_id,
             run_ids=tuple(run.id for _, run in group),

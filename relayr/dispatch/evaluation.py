@@ -1,24 +1,9 @@
-"""Evaluating a workspace's rules: every rule, one read of the log, one transaction.
+"""Evaluating a workspace's rules: every rule, one read of the log, one transaction (ADR-0028).
 
-What reflexr's ``Reactor.evaluate`` does, with public names only (``reflexr.core``'s pure
-``begin``, ``reset``, ``needs`` and ``evaluate``, and the storage's ``Transaction``), shaped for
-a dispatcher that passes every second while workers append to the same log:
-
-- every enabled rule of the workspace is evaluated in ONE transaction, over ONE read of the
-  envelopes after the lowest of their cursors; reflexr's reactor spends a transaction per rule
-  per batch, then another round of them to learn that nothing came in meanwhile;
-- a pass evaluates what the log held when it began (the head it read): the facts the workers
-  append meanwhile (``reflexr:run_*``) wait for the next pass, where reflexr's reactor chases
-  them, round after round, while they keep coming (measured: 37 to 97 transactions per pass on
-  PostgreSQL during a burst, against 3 here);
-- no evaluation lease. The transaction holds the workspace's row lock, reads each rule's cursor
-  and saves it, so two dispatchers evaluating one workspace take turns and neither evaluates
-  an envelope twice: the lease only spared reflexr's reactor wasted work (ADR-0028).
-
-Firing, state, dead letters and facts are reflexr's own decisions (``reflexr.core.evaluate``),
-saved exactly as the reactor saves them. With tracing on, an evaluation that reads envelopes is
-a ``relayr.evaluate`` span in their trace, and its facts carry its ``traceparent`` as the
-reactor's do (ADR-0080).
+What reflexr's ``Reactor.evaluate`` does, with its public pure core: every enabled rule over one
+read of the log up to the head the pass found, saved as the reactor saves it. No evaluation
+lease: the transaction's row lock makes two dispatchers take turns, and neither evaluates an
+envelope twice. With tracing on, an evaluation is a ``relayr.evaluate`` span (ADR-0080).
 """
 
 from dataclasses import dataclass

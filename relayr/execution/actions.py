@@ -1,34 +1,12 @@
 """RunActions: a rule's run acting in artifactr as its rule's own participant.
 
-Each run acts as ``ExternalAgentActor(client_id="reflexr:<rule>", name=<rule>)``, in its own
-tenant and workspace only, and every write it makes has an id derived from the run
-(:mod:`relayr.core.ids`). So a retried attempt (a Celery redelivery, reflexr's retry policy, an
-operator's retry) makes each effect once:
-
-- a notice whose id is used was posted by an earlier attempt: done, not an error;
-- a send whose id is used committed its message in an earlier attempt, which may have died
-  before it asked for the turn: it asks now (ADR-0026), which starts that turn or does nothing;
-- either way the emission record says what artifactr holds under the id: a retried ``post``
-  whose route changed with the allowlist meanwhile records the notice (or the message) the
-  earlier attempt posted, and asks for no turn for a notice (ADR-0062).
-
-Rules post notices by default. A message that starts an agent turn needs the operators'
-allowlist to grant ``turns``, checked when the run acts, not when it was queued, so a revoked
-grant stops the next send of a run already queued. ``post`` lets the allowlist pick the route.
-Every write is decided by the core before it is made (:mod:`relayr.core.routing`: its thread,
-its permission, its ids and content); this module (and :mod:`relayr.execution.artifact_changes` for
-artifacts) asks, then writes (:mod:`relayr.execution.writes`).
-
-The run behind each write is recorded in the ledger under the write's id (a direct write to an
-artifact: the revision it makes, ADR-0065), and each notice or send leaves one emission record
-(ADR-0023). Before a send, which starts a turn, the cause is committed first, on its own. Any
-other write's cause, and a notice's record, ride in the write's own transaction
-(:meth:`relayr.ledger.Ledger.alongside`), so a write that exists always has them. What an
-action learns only after its write (a send's outcome, a notice an earlier attempt posted) waits
-in :func:`pending_writes` for the run's completion, whose transaction carries it.
-
-Refusals are reflexr ``RunFailure``s with a reason from :mod:`relayr.core.reasons`, so the
-rule's retry policy decides what follows (:mod:`relayr.core.refusals`, ADR-0060).
+A run acts as ``ExternalAgentActor(client_id="reflexr:<rule>")`` in its own workspace, and every
+write has an id derived from the run, so a retried attempt makes each effect once (a used id is
+done, not an error; a send asks for its turn again, ADR-0026). Every write is decided by the core
+first (:mod:`relayr.core.routing`), and the allowlist is checked when the run acts, not when it
+was queued. Each write's cause and emission record reach the ledger no later than the write
+(ADR-0023); what is learnt after it waits in :func:`pending_writes` for the run's completion.
+Refusals are ``RunFailure``s with a reason from :mod:`relayr.core.reasons` (ADR-0060).
 """
 
 from contextlib import suppress
@@ -44,7 +22,8 @@ from relayr.core.ids import digest
 from relayr.core.routing import PostOperation, Route, content_refusal, may_create_thread, route
 from relayr.execution.artifact_changes import ArtifactChanges
 from relayr.ledger.port import LedgerWrites
-from relayr.observe import metrics, telemetry
+from relayr.observe import hooks, telemetry
+from relayr.observe.hooks import WriteRefused
 from relayr.runtime.bridge import Bridge
 
 
@@ -75,7 +54,7 @@ def acting(reaction: Reaction[Any]) -> "RunActions":
     actions = _acting.get(reaction)
     if actions is None:
         if not isinstance(reaction.deps, Bridge):
-            metrics.record_refusal(reasons.MISSING_RUN_CONTEXT)
+            hooks.emit(WriteRefused(reasons.MISSING_RUN_CONTEXT))
             raise MissingRunContext(
                 f"run {reaction.run_id} is not executed by relayr: its deps are not a Bridge"
             )
@@ -221,7 +200,7 @@ class RunActions(ArtifactChanges):
             started = await self._writes.guarded(
                 f"asking for the turn of message {message_id}", lambda: runner.ask(handle, thread)
             )
-        self._bridge.turns.started(started, again=lambda: runner.ask(handle, thread))
+        self._bridge.turns.started(started, ask_again=lambda: runner.ask(handle, thread))
         record = self._writes.record(self._run, "message", outcome, thread, message_id, content)
         self.pending.emission(record)
         self._writes.emitted(record, turn=None if started is None else started.run_id)

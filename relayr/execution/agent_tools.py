@@ -1,30 +1,14 @@
 """A rule's agent acting through tools: the run's :class:`~relayr.execution.actions.RunActions` as a
-pydantic-ai toolset, and the capability that gives it to an agent.
+pydantic-ai toolset, and the capability that gives it to an agent (ADR-0066).
 
-An action that hands its work to a model builds the deps from its reaction and runs the agent::
+An action that hands its work to a model runs the agent with the run's tools::
 
     agent = Agent(model, deps_type=RuleTools, capabilities=[RuleCapability(types=[Note])])
+    result = await agent.run("...", deps=RuleTools.of(reaction))
 
-    async def scribe(reaction: Reaction[Bridge]) -> dict[str, int]:
-        result = await agent.run("...", deps=RuleTools.of(reaction))
-        return {"tool_calls": result.usage.tool_calls}
-
-Each tool is one of the run's own reads or writes, made through ``acting(reaction)``, so
-everything relayr promises of a rule's writes holds for its agent's: it acts as
-``external_agent:reflexr:<rule>``, where the allowlist lets it (``post_message`` is routed by
-it, ``create_thread`` needs ``create_threads``, an artifact change is a proposal unless its kind
-is ``direct`` and artifactr applies it), and every id is derived from the run, so a retried
-attempt whose agent makes the same calls makes each write once. Reads and writes share the
-attempt's one workspace handle and its retries of transient storage faults.
-
-A refusal the model can act on goes back to it as a retry prompt (pydantic-ai's
-``ModelRetry``): the allowlist refused the write (``not_allowed``, ``no_thread``), the input was
-invalid for relayr (empty content, a malformed id or path) or for artifactr (data that does not
-validate, an edit that does not apply, an artifact or thread that does not exist, an archived
-artifact). Any other refusal (a busy thread, a conflict that kept coming back, storage down,
-``forbidden``) fails the run as it would fail an action that made the write itself, and the
-rule's retry policy decides what follows. A model that keeps calling a refused tool fails the
-run after :data:`TOOL_RETRIES` retry prompts (pydantic-ai's ``UnexpectedModelBehavior``).
+Each tool is one of the run's own reads or writes, so the agent acts as the rule, where the
+allowlist lets it, and a retried attempt makes each write once. A refusal the model can act on
+goes back to it as ``ModelRetry`` (at most :data:`TOOL_RETRIES` times); any other fails the run.
 """
 
 import json

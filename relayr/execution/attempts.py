@@ -1,33 +1,11 @@
 """The transactions that start and end attempts of runs, many runs per transaction.
 
-reflexr's store is the truth about a run (its status, attempts, epoch and lease), so each step
-re-reads what it changes, in one transaction on the run's workspace, which reflexr serialises
-with every other transaction on that workspace:
-
-- :func:`claim` starts an attempt of each run that is due (and first in its scope, for a rule
-  ordered by scope), for all the runs a task names at once. The caller holds each run's lease.
-  A ``running`` run whose lease the caller could take was left by an executor that stopped:
-  its attempt is recorded as failed, reason ``abandoned`` (``worker_lost`` after too many in a
-  row); anything else that is not due is left alone (``not_due``, ``missing``).
-- :func:`complete` records the outcomes of the attempts that ended, each only if it is still
-  the run's current attempt (``dropped`` otherwise), and in the same transaction starts the
-  next run of each scope that a finished run held back
-  (:class:`relayr.execution.outcomes.ScopeOrder`),
-  so a scope ordered by scope goes on without a trip through the broker.
-
-Each step is tried again after a transient fault (:mod:`relayr.runtime.transient`), and a fault
-during
-COMMIT may hide a commit that took effect (a connection lost as PostgreSQL committed). The next
-try would meet that work as if another executor had done it: an attempt it started would look
-abandoned, a run it finished no longer current. So the tries of one step share a
-:class:`relayr.execution.tries.Tries`, which finds the last try's commit and returns that try's
-result.
-
-A scope's order is read once, when its first run is claimed: reading every unfinished run of a
-scope for each claim would cost time that grows with the scope's backlog. Later claims in the
-scope re-read only the runs before the claimed one that had not succeeded, which is exact: a
-run fired later always comes later in the scope's order (its ``fired_seq`` is the seq of a
-newer envelope), and a run that succeeded never runs again (ADR-0024).
+:func:`claim` starts an attempt of each leased run that is due and first in its scope (a lapsed
+``running`` run is recorded ``abandoned``); :func:`complete` records the outcomes of attempts
+still current (``dropped`` otherwise) and starts the next run of each scope a finished run held
+back. Each re-reads what it changes in one transaction on the workspace, and its tries after a
+transient fault share a :class:`relayr.execution.hidden_commits.HiddenCommits`, so a commit a
+fault hid is found, not taken for another executor's (ADR-0001, ADR-0024).
 """
 
 from collections.abc import Iterable, Sequence
@@ -54,6 +32,7 @@ from reflexr.core import (
 from reflexr.workspace import REACTOR, Entry, Transaction, WorkspaceRef, Workspaces
 
 from relayr.core import reasons
+from relayr.execution.hidden_commits import HiddenCommits
 from relayr.execution.outcomes import (
     Claimed,
     Completion,
@@ -63,13 +42,13 @@ from relayr.execution.outcomes import (
     ScopeOrder,
     missing,
 )
-from relayr.execution.tries import Tries
-from relayr.observe import metrics
+from relayr.observe import hooks
+from relayr.observe.hooks import RunClaimed
 
 type _Fact = RunStarted | RunSucceeded | RunRetrying | RunDeadLettered | RunCancelled
 
 
-class NothingThere(Exception):
+class NoRunFound(Exception):
     """Raised inside a transaction that found none of its runs, so it rolls back: reflexr's
     storage records a workspace when a transaction on it commits, and a task naming a workspace
     that does not exist must leave nothing behind."""
@@ -106,16 +85,16 @@ async def claim(
     run_ids: Sequence[str],
     *,
     max_lost: int,
-    tries: Tries[dict[str, Claimed | Executed]] | None = None,
+    tries: HiddenCommits[dict[str, Claimed | Executed]] | None = None,
 ) -> dict[str, Claimed | Executed]:
     """Start an attempt of every run of ``run_ids`` that can start, in one transaction.
 
     ``tries`` is shared by the tries of one claim (see the module).
 
     Raises:
-        NothingThere: If no run of ``run_ids`` exists (the transaction rolls back).
+        NoRunFound: If no run of ``run_ids`` exists (the transaction rolls back).
     """
-    tries = Tries() if tries is None else tries
+    tries = HiddenCommits() if tries is None else tries
     async with rules.storage.transaction(ref) as transaction:
         claims = await tries.committed(transaction)
         if claims is None:
@@ -160,7 +139,7 @@ async def _claim_all(
             transaction, changes, run, rule.rule, now, order, max_lost=max_lost, fresh=True
         )
     if all(isinstance(c, Executed) and c.outcome == "missing" for c in claims.values()):
-        raise NothingThere(f"none of the runs {', '.join(run_ids)} exists in {ref}")
+        raise NoRunFound(f"none of the runs {', '.join(run_ids)} exists in {ref}")
     return claims
 
 
@@ -170,7 +149,7 @@ async def complete(
     finished: Sequence[Finished],
     *,
     max_lost: int,
-    tries: Tries[Completion] | None = None,
+    tries: HiddenCommits[Completion] | None = None,
 ) -> Completion:
     """Record each attempt's outcome, and start the successors the scopes may go on with.
 
@@ -178,7 +157,7 @@ async def complete(
     starts only if, with its predecessor's outcome recorded, it is due and first in its scope.
     ``tries`` is shared by the tries of one completion (see the module).
     """
-    tries = Tries() if tries is None else tries
+    tries = HiddenCommits() if tries is None else tries
     async with rules.storage.transaction(ref) as transaction:
         completion = await tries.committed(transaction)
         if completion is None:
@@ -238,7 +217,7 @@ def _lagged(claims: Iterable[Claimed | Executed]) -> None:
     for claimed in claims:
         if isinstance(claimed, Claimed):
             run = claimed.run  # started at updated_at; starting leaves next_attempt_at
-            metrics.record_dispatch_lag((run.updated_at - run.next_attempt_at).total_seconds())
+            hooks.emit(RunClaimed((run.updated_at - run.next_attempt_at).total_seconds()))
 
 
 async def fail_for_good(
@@ -248,15 +227,15 @@ async def fail_for_good(
     *,
     reason: str,
     error: str,
-    tries: Tries[Executed] | None = None,
+    tries: HiddenCommits[Executed] | None = None,
 ) -> Executed:
     """Record the run's current attempt as failed for good (see
     :func:`relayr.execution.executor.fail_run`).
 
     Raises:
-        NothingThere: If the run does not exist (the transaction rolls back).
+        NoRunFound: If the run does not exist (the transaction rolls back).
     """
-    tries = Tries() if tries is None else tries
+    tries = HiddenCommits() if tries is None else tries
     async with rules.storage.transaction(ref) as transaction:
         executed = await tries.committed(transaction)
         if executed is None:
@@ -282,7 +261,7 @@ async def _fail_one(
     now = rules.clock()
     run = await transaction.run(run_id)
     if run is None:
-        raise NothingThere(f"run {run_id} does not exist in {ref}")
+        raise NoRunFound(f"run {run_id} does not exist in {ref}")
     found = (await rules.rules_in(transaction)).get(run.rule)
     if found is None:
         return _cancel_orphan(changes, run, now)

@@ -1,42 +1,13 @@
 """Executing reflexr runs by id: claim them, run their actions as their rules, record outcomes.
 
-What reflexr's own executor does (at least once, under leases), with public names only, for the
-runs one queue message names, all of one workspace. reflexr's store is the truth about a run;
-the message is only a hint that its runs may be due, so:
-
-- each run's lease is taken first: a run another executor holds is left alone (``contended``);
-- one transaction claims every leased run (:func:`relayr.execution.attempts.claim`): it re-reads
-each run
-  and its rule and starts an attempt only if the run is due and first in its scope; anything
-  else does nothing (``not_due``, ``missing``), and a ``running`` run whose lease lapsed is
-  recorded ``abandoned``; the leases of the runs that did not start are released at once, so
-  another delivery, or this message going on with a scope, can take them;
-- the actions run concurrently on this process's loop, each with a ``Reaction`` whose ``deps``
-  is the runtime's bridge, while its lease is renewed every third of its life; an attempt that
-  stops being the run's current one (an operator cancelled or retried it, the lease was lost)
-  has its action cancelled (``interrupted``);
-- as actions end, their outcomes are recorded together, in one transaction per group
-  (:func:`relayr.execution.attempts.complete`), each only if its attempt is still current
-  (``dropped``
-  otherwise), so a late executor never overwrites a cancel, a retry or a newer attempt. The
-  ledger rows the actions left for later (emission records of sends, and of notices an earlier
-  attempt posted) ride in that same transaction (:mod:`relayr.ledger.riding`), those of an
-  ``interrupted`` attempt too: its writes committed in artifactr all the same;
-- a run of a rule ordered by scope that ends lets the next run of its scope start in that same
-  transaction, under a lease taken just before, so a scope goes on without a trip through the
-  broker, within :data:`relayr.execution.runs.SCOPE_BUDGET_RUNS` runs and
-  :data:`relayr.execution.runs.SCOPE_BUDGET_S` seconds per message (then the dispatcher hands the
-  scope's next run to the queue, behind what waits there).
-
-A duplicated, lost or redelivered message therefore repeats and loses nothing: a second
-delivery finds the leases held or the runs finished. The writes a retried attempt repeats are
-made once by their derived ids (:mod:`relayr.execution.actions`). The lease of a run that succeeded
-is
-left to lapse: it can never start again (ADR-0002). Transient storage faults are retried a few
-times inside each step (:mod:`relayr.runtime.transient`); each step is safe to repeat, and a claim
-or a
-completion whose commit took effect behind a fault finds its own work on the next try
-(:class:`relayr.execution.tries.Tries`).
+At least once, under leases, for the runs one queue message names (one workspace). The message
+is only a hint; reflexr's store is the truth: a run another executor holds is ``contended``, one
+not due is ``not_due``, a lapsed ``running`` one is ``abandoned``. Claims and completions are one
+transaction each for all the runs (:mod:`relayr.execution.attempts`), and a completion counts
+only if its attempt is still current (``dropped`` otherwise), so a late executor never overwrites
+a cancel or a retry. An attempt that stops being current has its action cancelled
+(``interrupted``). So a duplicated, lost or redelivered message repeats and loses nothing
+(ADR-0001, ADR-0002, ADR-0024).
 """
 
 from collections.abc import Sequence
@@ -45,11 +16,12 @@ import structlog
 from reflexr.workspace import WorkspaceRef
 
 from relayr.execution import attempts, outcomes
-from relayr.execution.attempts import NothingThere
+from relayr.execution.attempts import NoRunFound
+from relayr.execution.hidden_commits import HiddenCommits
 from relayr.execution.outcomes import Executed, RunOutcome
 from relayr.execution.runs import Batch
-from relayr.execution.tries import Tries
-from relayr.observe import metrics, telemetry
+from relayr.observe import hooks, telemetry
+from relayr.observe.hooks import RunEnded
 from relayr.runtime.process import Runtime
 from relayr.runtime.transient import is_transient, retried
 
@@ -101,16 +73,16 @@ async def fail_run(
     """
     rules = runtime.application.rules
     ref = WorkspaceRef(tenant_id, workspace_id)
-    tries: Tries[Executed] = Tries()
+    tries: HiddenCommits[Executed] = HiddenCommits()
     try:
         executed = await retried(
             lambda: attempts.fail_for_good(
                 rules, ref, run_id, reason=reason, error=error, tries=tries
             )
         )
-    except NothingThere:
+    except NoRunFound:
         executed = outcomes.missing(ref, run_id)
-    metrics.record_run(None if executed.run is None else executed.run.rule, executed.outcome)
+    hooks.emit(RunEnded(None if executed.run is None else executed.run.rule, executed.outcome))
     logger.warning(
         "run failed by its executor",
         run_id=run_id,

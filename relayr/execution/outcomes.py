@@ -1,12 +1,11 @@
 """What the steps of executing a run hand each other and return.
 
 A claim starts attempts (:class:`Claimed`, with the scope's order for a rule ordered by scope,
-:class:`ScopeOrder`); an action ends (:class:`Ended`, then :class:`Finished` with the run its
-scope may go on with); a completion records them (:class:`Completion`). What executing each run
-did is an :class:`Executed`, one of the outcomes of :data:`RunOutcome`. The transactions that
-make them are in :mod:`relayr.execution.attempts`; all of them are frozen values but a scope's
-order,
-which its later claims in one message keep up to date.
+:class:`ScopeOrder`); an action ends (:class:`Ended`, then :class:`Finished` with the run its scope
+may go on with); a completion records them (:class:`Completion`). What executing each run did is an
+:class:`Executed`, one of the outcomes of :data:`RunOutcome`. The transactions that make them are in
+:mod:`relayr.execution.attempts`; all of them are frozen values but a scope's order, which its later
+claims in one message keep up to date.
 """
 
 from dataclasses import dataclass, field
@@ -124,8 +123,7 @@ class Finished:
 @dataclass(frozen=True)
 class Completion:
     """What :func:`relayr.execution.attempts.complete` did: each ended attempt's outcome, the
-    successors
-    it started, and the successors it found ``running`` under a lease that had lapsed, so
+    successors it started, and the successors it found ``running`` under a lease that had lapsed, so
     recorded ``abandoned`` (none of them ran)."""
 
     executed: dict[str, Executed]

@@ -1,12 +1,10 @@
 """RunParticipant: what the actions of one attempt share, as its rule's participant in artifactr.
 
-Who the attempt acts as (``ExternalAgentActor(client_id="reflexr:<rule>", name=<rule>)``, in
-the run's own tenant and workspace), the ids it derives (:mod:`relayr.core.ids`, counted across
-the whole attempt), its chain of threads, the allowlist in force when it acts, and the
+Who the attempt acts as (``ExternalAgentActor(client_id="reflexr:<rule>")``, in the run's own
+workspace), the ids it derives (:mod:`relayr.core.ids`, counted across the whole attempt), its
+chain of threads, the allowlist in force when it acts, and the
 :class:`~relayr.execution.writes.Writes` every write goes through.
-:class:`relayr.execution.actions.RunActions`
-builds on it: its messages and threads there, its changes of artifacts in
-:mod:`relayr.execution.artifact_changes`.
+:class:`relayr.execution.actions.RunActions` builds on it.
 """
 
 from typing import Any, Final

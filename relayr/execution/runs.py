@@ -2,12 +2,11 @@
 concurrently, their outcomes recorded in groups, and their scopes gone on with.
 
 :func:`relayr.execution.executor.execute_runs` makes a :class:`Batch` of each message; its module
-says
-what each step guarantees. A run's lease is taken before its claim, renewed while its action
-runs, and released when the message is done with the run (at once if it did not start); the
-lease of a run that succeeded is left to lapse (ADR-0002). The runs of a scope a message goes
-on with are bounded (:data:`SCOPE_BUDGET_RUNS`, :data:`SCOPE_BUDGET_S`), and the outcomes of
-actions that end together share a transaction (:data:`GROUP_LINGER_S`).
+says what each step guarantees. A run's lease is taken before its claim, renewed while its action
+runs, and released when the message is done with the run (at once if it did not start); the lease of
+a run that succeeded is left to lapse (ADR-0002). The runs of a scope a message goes on with are
+bounded (:data:`SCOPE_BUDGET_RUNS`, :data:`SCOPE_BUDGET_S`), and the outcomes of actions that end
+together share a transaction (:data:`GROUP_LINGER_S`).
 """
 
 import asyncio
@@ -26,11 +25,12 @@ from reflexr.workspace import Reaction, RunFailure, WorkspaceRef, run_lease
 from relayr.core import reasons
 from relayr.execution import attempts, invocation, outcomes
 from relayr.execution.actions import pending_writes
-from relayr.execution.attempts import NothingThere
+from relayr.execution.attempts import NoRunFound
+from relayr.execution.hidden_commits import HiddenCommits
 from relayr.execution.outcomes import Claimed, Completion, Ended, Executed, Finished
-from relayr.execution.tries import Tries
 from relayr.ledger.port import LedgerWrites
-from relayr.observe import metrics, telemetry
+from relayr.observe import hooks, telemetry
+from relayr.observe.hooks import RunEnded
 from relayr.runtime.process import Runtime
 from relayr.runtime.transient import retried
 
@@ -138,7 +138,7 @@ class Batch:
 
     async def _claim(self, run_ids: list[str]) -> list[Claimed]:
         """Claim the leased runs; release at once the leases of those that did not start."""
-        tries: Tries[dict[str, Claimed | Executed]] = Tries()
+        tries: HiddenCommits[dict[str, Claimed | Executed]] = HiddenCommits()
         try:
             with telemetry.span("relayr.claim", {telemetry.RUNS: len(run_ids)}):
                 claims = await retried(
@@ -146,7 +146,7 @@ class Batch:
                         self.rules, self.ref, run_ids, max_lost=self.max_lost, tries=tries
                     )
                 )
-        except NothingThere:
+        except NoRunFound:
             claims = {run_id: outcomes.missing(self.ref, run_id) for run_id in run_ids}
         started: list[Claimed] = []
         for run_id, claim in claims.items():
@@ -297,7 +297,7 @@ class Batch:
         describe are in artifactr whatever becomes of the completion.
         """
         ledger = self.runtime.bridge.ledger
-        tries: Tries[Completion] = Tries()
+        tries: HiddenCommits[Completion] = HiddenCommits()
 
         async def step() -> Completion:
             async with ledger.alongside(writes):
@@ -358,7 +358,7 @@ class Batch:
         if executed.outcome == "succeeded":
             self.succeeded.add(run_id)
         run = executed.run
-        metrics.record_run(None if run is None else run.rule, executed.outcome, seconds)
+        hooks.emit(RunEnded(None if run is None else run.rule, executed.outcome, seconds))
 
 
 def _releasing(

@@ -4,8 +4,7 @@ rows, and every failure turned into the attempt's ``RunFailure`` with a stable r
 :class:`relayr.execution.actions.RunActions` decides with the core (:mod:`relayr.core.routing`) and
 writes through :class:`Writes`. Every storage call here is retried on a transient fault
 (:mod:`relayr.runtime.transient`; the ids are derived, so a repeat is made once); what artifactr
-refuses
-is classified by :func:`relayr.core.refusals.classify`; a storage error that outlasts the
+refuses is classified by :func:`relayr.core.refusals.classify`; a storage error that outlasts the
 retries fails the attempt ``storage_unavailable`` (retried by the rule's policy) with a message
 naming the write, never as a raw SQLAlchemy error.
 """
@@ -32,7 +31,8 @@ from relayr.core import reasons
 from relayr.core.emissions import POLICY_OF_KIND, EmissionKind, EmissionOutcome, EmissionRecord
 from relayr.core.refusals import Refusal, classify, storage_failure
 from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind
-from relayr.observe import metrics, telemetry
+from relayr.observe import hooks
+from relayr.observe.hooks import EmissionMade, WriteRefused
 from relayr.runtime.bridge import Bridge
 from relayr.runtime.transient import is_storage_error, retried
 
@@ -105,7 +105,7 @@ class Writes:
         entity = refused.entity if isinstance(refused, NotFound) else None
         refusal = classify(code, refused.message, doing=doing, entity=entity)
         if refusal.permanent:
-            metrics.record_refusal(refusal.reason)
+            hooks.emit(WriteRefused(refusal.reason))
         self._log.warning(
             "write refused by artifactr",
             doing=doing,
@@ -123,7 +123,7 @@ class Writes:
             detail=refusal.message,
             **where,
         )
-        metrics.record_refusal(refusal.reason)
+        hooks.emit(WriteRefused(refusal.reason))
         return failure(refusal)
 
     async def commit(
@@ -264,15 +264,7 @@ class Writes:
 
     def emitted(self, record: EmissionRecord, *, turn: str | None = None) -> None:
         """Count and log one emission, and say what it did on the write's span."""
-        metrics.record_emission(record.kind, record.outcome)
-        telemetry.annotate(
-            {
-                telemetry.OUTCOME: record.outcome,
-                telemetry.EMISSION_KIND: record.kind,
-                telemetry.POLICY: record.policy,
-                telemetry.TURN_ID: turn,
-            }
-        )
+        hooks.emit(EmissionMade(record.kind, record.outcome, record.policy, turn))
         self._log.info(
             "emission",
             kind=record.kind,

@@ -1,17 +1,9 @@
 """Batches: one workspace's artifactr envelopes made into reflexr entries, and appended at once.
 
-A batch is prepared by projecting each envelope into a bridged event
-(:mod:`relayr.follow.projections`) and finding the chain it continues
-(:mod:`relayr.follow.chains`); an envelope whose projection raises, that a rule wrote without a
-recorded cause, or whose chain would go past reflexr's depth limit becomes a dead letter
-(:mod:`relayr.follow.reports` names the reasons) and the rest of the batch goes on.
-
-A batch is published in one reflexr transaction, whatever chains its envelopes belong to:
-``Workspace.publish_many`` stamps one causation on all its events, which would cost a
-transaction per rule run in a burst of rules' notices. The batch is appended through reflexr's
-storage ``Transaction`` the way ``publish_many`` appends (an id already in the log is skipped,
-a new workspace's rules start at its first event, the depth limit holds), after reflexr's
-``authorize`` allowed the follower to publish (ADR-0065).
+Each envelope is projected and its chain found; one whose projection raises, that lacks a
+recorded cause, or that would pass the depth limit becomes a dead letter and the rest goes on.
+The batch is appended in one reflexr transaction through the storage ``Transaction``, as
+``publish_many`` appends, after ``authorize`` allowed the follower (ADR-0065).
 """
 
 from collections.abc import Callable, Mapping, Sequence

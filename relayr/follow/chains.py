@@ -1,20 +1,9 @@
 """Chains: which run's causal chain each envelope a follower bridges continues (ADR-0065).
 
-- An envelope a rule's run wrote (its author is ``external_agent:reflexr:<rule>``) continues
-  that run's chain. Its cause is in the ledger under a key that write alone has: its id for a
-  message, a thread or a proposal (derived from the run), the revision it made for a direct
-  write to an artifact (:func:`relayr.ledger.port.revision_key`; an artifact's id is every
-  writer's); ADR-0023 commits it no later than the write. A rule's write whose cause the ledger
-  lacks is :data:`MISSING`: bridged as a chain of its own, it would escape the depth limit.
-- An envelope a turn of the agent wrote (its ``run_id`` is set) continues the chain of the
-  newest message its turn carried out that a run posted (:func:`relayr.ledger.turns.newest_cause`,
-  ADR-0026), as the turn's ``run_started`` names them: kept from the batches read, or read back
-  from the thread for a turn whose start came before the follower's cursor (a restart).
-- Anything else starts a chain of its own (None): what a person writes, a person's resolution
-  of a proposal included.
-
-The causes of a whole batch, of its rules' writes and its turns' messages, are read in one
-ledger read.
+A rule's write continues its run's chain, found in the ledger under the write's own key (ADR-0023;
+:data:`MISSING` when the ledger lacks it). A turn's envelope continues the chain of the newest
+run-posted message the turn carried out (ADR-0026). Anything else (a person's writes) starts a
+chain of its own (None). A whole batch's causes are read in one ledger read.
 """
 
 from collections import OrderedDict

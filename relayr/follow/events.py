@@ -1,24 +1,13 @@
 """The bridged events: what happened in artifactr, as reflexr events in the ``artifactr`` namespace.
 
-A follower (:mod:`relayr.follow.follower`) publishes one of these into a workspace's reflexr log
-for each envelope of the same workspace's artifactr log that a projection
-(:mod:`relayr.follow.projections`) turns into an event, with the envelope's id as the event's,
-so a second delivery publishes nothing. Rules match them as any event::
-
-    on(MessagePosted).where(F.author.matches(r"^agent:"), F.kind.eq("message"))
-
-Every bridged event says who wrote it in artifactr (``author``, a participant such as
-``user:alice``, ``agent:thr_...`` or ``external_agent:reflexr:ops:triage``, and ``author_kind``,
-the part before the first ``:``) and where it sits in artifactr's log (``artifactr_seq``).
-Events that a turn of the thread's agent wrote carry the turn's id (``turn_id``).
-
-An application accepts them like its own events, and reserves the namespace to the follower,
-so no client can publish an ``artifactr:*`` event in an agent's name::
+Rules match them as any event, e.g. ``on(MessagePosted).where(F.author.matches(r"^agent:"))``.
+Each carries ``author``, ``author_kind``, ``artifactr_seq`` and, when a turn wrote it,
+``turn_id``. An application accepts them and reserves the namespace to the follower, so no client
+can publish an ``artifactr:*`` event in an agent's name::
 
     Workspaces(storage, events=[*EVENTS, *BRIDGED_EVENTS], publishers=PUBLISHERS, rules=...)
 
-This module imports reflexr and pydantic only: a command that publishes events loads no more
-(ADR-0050).
+This module imports reflexr and pydantic only (ADR-0050).
 """
 
 from typing import Final, Literal

@@ -1,32 +1,12 @@
-"""Followers: each workspace's artifactr log becomes reflexr events, once each.
+"""Followers: each workspace's artifactr log becomes reflexr events, once each (ADR-0065).
 
-For every workspace relayr serves (:class:`relayr.follow.config.Inbound`), a follower reads the
-artifactr log after its cursor, projects each envelope into a bridged event
-(:mod:`relayr.follow.projections`), publishes the batch into the same workspace's reflexr log
-with each envelope's id as the event's id, and only then moves its cursor. So:
-
-- **once each**: an envelope published twice (the process died between the publish and the
-  cursor, or two followers overlapped) is found by its id and appended once, as reflexr's own
-  ``publish`` does with an id already in the log;
-- **one follower per workspace at a time**: a lease kept with the cursor
-  (:mod:`relayr.follow.store`), taken or renewed every third of ``lease_ttl_s``; a follower
-  that lost it writes no cursor;
-- **causal chains continue**: an envelope a rule's run wrote, or a turn its message started,
-  continues that run's chain one step deeper (:mod:`relayr.follow.chains` finds which), so
-  rules that answer each other stop at reflexr's depth limit. Anything else starts a chain of
-  its own;
-- **a bad envelope does not stop the log**: one whose projection raises, that a rule wrote
-  without a recorded cause (it would escape the depth limit), or that would go past the depth
-  limit is dead-lettered with its reason, and the cursor moves past it. ``relayr follow
-  dead-letters replay`` projects it again and publishes it under the same id.
-
-A batch is published in one reflexr transaction, whatever chains its envelopes belong to
-(:mod:`relayr.follow.batches`, ADR-0065).
-
-A pass over a workspace with nothing new costs one read of artifactr's log (and, every third of
-the lease, one statement that renews it); with new envelopes: the read, one read of the ledger
-for the batch's causes when it has rules' writes or turns, one reflexr transaction, and one
-that moves the cursor (with the lease and the batch's dead letters).
+A follower reads the artifactr log after its cursor, projects each envelope
+(:mod:`relayr.follow.projections`), publishes the batch in one reflexr transaction with each
+envelope's id as the event's (so a repeat appends nothing), and only then moves its cursor. One
+follower per workspace holds the lease (:mod:`relayr.follow.store`); one that lost it writes no
+cursor. An envelope a run or its turn wrote continues that run's chain
+(:mod:`relayr.follow.chains`). A bad envelope is dead-lettered and the log goes on; ``relayr
+follow dead-letters replay`` publishes it again under the same id.
 """
 
 import asyncio

@@ -1,18 +1,10 @@
 """Projections: an artifactr envelope turned into the reflexr event a follower publishes.
 
-A projection is a function of a :class:`Source` (the envelope, and the messages its turn carried
-out when a turn of the thread's agent wrote it) that returns the event to publish, or None to
-bridge nothing for that envelope (the follower moves past it). :data:`PROJECTIONS` holds the
-default ones, by artifactr's event type: ``message_posted``, ``run_ended`` (as ``turn_ended``),
-``artifact_created``, ``artifact_changed``, ``artifact_archived``, ``proposal_created``,
-``proposal_resolved`` and ``feedback_given``. Every other type (threads, turn starts, tool
-calls, ...) is not bridged.
-
-An application adds or replaces projections by type (:class:`relayr.follow.config.Inbound`); a
-projection that raises dead-letters its envelope with the error as its reason, and the follower
-goes on (:mod:`relayr.follow.batches`). A projection must be pure: the follower may project the
-same envelope again (a restart, a replay), and publishes it under the envelope's id whatever it
-returns the second time.
+A projection maps a :class:`Source` to the event to publish, or None to bridge nothing.
+:data:`PROJECTIONS` holds the defaults by artifactr event type; an application adds or replaces
+them (:class:`relayr.follow.config.Inbound`). A projection must be pure: an envelope may be
+projected again (a restart, a replay) and is published under its id whatever it returns. One that
+raises dead-letters its envelope.
 """
 
 from collections.abc import Callable, Mapping

@@ -1,18 +1,9 @@
 """Where followers keep their place: a cursor and a lease per workspace, and dead letters.
 
-One row per followed workspace holds both how far its follower got in artifactr's log (the
-cursor) and who follows it now (the lease: a holder and when its hold lapses). Keeping them in
-one row makes the follower's bookkeeping cheap: taking or renewing the lease returns the cursor
-(one statement), and moving the cursor renews the lease and stores the batch's dead letters
-(one transaction). A cursor only moves forward, and only its holder moves it, so a follower that
-lost its lease (it stalled past the lease's end, another took over) writes nothing: the other
-follower publishes what it publishes, and the ids make a repeat a no-op (ADR-0065).
-
-Two adapters keep one contract, checked by one test suite: :class:`InMemoryFollowStore` (a
-process's memory: tests, ``memory://``) and :class:`SqlFollowStore` (SQLite or PostgreSQL,
-tables ``relayr_follow_cursors`` and ``relayr_follow_dead_letters`` in the database the ledger
-uses, created when missing as the ledger's are). Times are the caller's clock, in UTC: every
-process that follows must keep its clock in step, as for reflexr's own leases.
+Cursor and lease share one row, so taking the lease returns the cursor and moving the cursor
+renews the lease. A cursor only moves forward, and only its lease holder moves it (ADR-0065).
+:class:`InMemoryFollowStore` and :class:`SqlFollowStore` keep one contract. Times are the
+caller's clock in UTC: every following process must keep its clock in step.
 """
 
 from collections.abc import Collection, Sequence

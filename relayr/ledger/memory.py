@@ -1,15 +1,8 @@
 """The in-memory ledger: the contract of :mod:`relayr.ledger.port` in one process's memory.
 
-For tests and for a worker that needs no durable ledger. It keeps the same guarantees as the SQL
-adapter, which the shared contract suite checks: the first cause under a key is kept (asyncio runs
-one task at a time and ``record_cause`` does not await, so contenders cannot interleave), and an
-emission record is stored as the JSON it was validated into and validated again when read.
-
-Memory has no transaction for a write's causes to ride, so :meth:`InMemoryLedger.alongside`
-keeps them before the block (a follower never meets the write without them) and behaves as the
-transaction would have: a block that raised takes back what it added, and a block that completed
-makes its causes the ones kept, over any that a block still running had added first (two runs'
-direct edits of one artifact from one version: the one artifactr refused loses, ADR-0065).
+For tests and a worker that needs no durable ledger; the shared contract suite checks it keeps
+the SQL ledger's guarantees. :meth:`InMemoryLedger.alongside` keeps causes before the block runs,
+takes them back if the block raises, and makes them the ones kept if it completes (ADR-0065).
 """
 
 import json

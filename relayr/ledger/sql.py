@@ -1,20 +1,11 @@
 """The SQL ledger: the contract of :mod:`relayr.ledger.port` in SQLite or PostgreSQL.
 
-Every call is one short transaction, because the ledger sits on the path of every write a run
-makes. The first cause under a key is kept by the database, not by a read before the write:
-``INSERT ... ON CONFLICT DO NOTHING RETURNING`` stores the cause unless one is there, and only
-when it was there does a ``SELECT`` in the same transaction read the one kept, so concurrent
-contenders, in this process or others, all get the same answer. Emission records are stored as
-the JSON they were validated into, unique per (workspace, run, epoch, message), and validated
-again when read, so a record changed in storage is refused rather than returned.
-
-The ledger's two tables (``relayr_causes``, ``relayr_emissions``) are created when missing, once
-per ledger, by :func:`create_missing_tables`; processes that start together may race to create
-them, and the loser finds them made. The engine is usually shared with artifactr and reflexr and
-is not the ledger's to dispose of; on SQLite that engine has a single connection, so never call
-the ledger while holding a connection of the same engine. What the ledger shares with the
-followers' store (the dialects, the tables made on first use, a transaction per call) is
-:class:`SqlStore`.
+Every call is one short transaction. The first cause under a key is kept by the database
+(``INSERT ... ON CONFLICT DO NOTHING``), so concurrent contenders all get the same answer.
+Emission records are validated again when read. The tables are created when missing
+(:func:`create_missing_tables`). The engine is usually shared and not the ledger's to dispose
+of; on SQLite it has one connection, so never call the ledger while holding one of its
+connections. :class:`SqlStore` is what the ledger shares with the followers' store.
 """
 
 import asyncio
@@ -48,7 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from relayr.core.emissions import EmissionRecord, validate_emission
 from relayr.core.errors import InvalidEmission
 from relayr.ledger.port import Cause, CauseRecord, LedgerWrites, WorkspaceKey, WriteKind
-from relayr.ledger.riding import Statements, riding
+from relayr.ledger.with_the_write import Statements, with_the_write
 
 SUPPORTED_DIALECTS = frozenset({"postgresql", "sqlite"})
 
@@ -282,7 +273,7 @@ class SqlLedger(SqlStore):
     async def alongside(self, writes: LedgerWrites) -> AsyncIterator[None]:
         statements = self._statements(writes)  # validates every record before the block runs
         await self._ensure_tables()
-        with riding(self._engine.sync_engine, statements, writes):
+        with with_the_write(self._engine.sync_engine, statements, writes):
             yield
         if writes and not writes.committed:
             await self.write(writes)

@@ -1,13 +1,8 @@
-"""The trace each run fired in, kept from the evaluation that fired it to the pass that
-enqueues it, in one dispatcher process (ADR-0080).
+"""The trace each fired run continues, kept from its evaluation to the pass that enqueues it.
 
-An evaluation's span covers every run it fires, but a run fired by an event of another trace
-continues its event's: :class:`Evaluation` notes which trace each run continues, and
-:data:`firings` keeps it, bounded, until :func:`relayr.observe.telemetry.enqueuing` takes it for the
-message's span. Nothing here starts or reads a span: the contexts kept are OpenTelemetry's,
-named here for the type checker only, since :mod:`relayr.observe.telemetry` is the module that
-imports
-OpenTelemetry (an import-linter contract).
+:class:`Evaluation` notes it, :data:`firings` keeps it (bounded, one dispatcher process), and
+:func:`relayr.observe.telemetry.enqueuing` takes it for the message's span (ADR-0080). Nothing
+here starts or reads a span: only :mod:`relayr.observe.telemetry` imports OpenTelemetry.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
-"""Health: is this worker or dispatcher alive, and can it reach the broker and database?
+"""Health: is this worker or dispatcher alive, and can it reach the broker and the database?
 
-The checks behind ``relayr health`` (the command is :mod:`relayr.cli.health`).
-
-A probe runs every few seconds on every pod, so it must be cheap and must answer while the
-worker is busy. A Celery broadcast ping is neither: it goes through the broker, and a worker
-whose pool is full (or whose only process runs a long task) cannot answer it in time. So:
-
-- **Alive** is a heartbeat file whose mtime the process refreshes. A worker's main process
-  refreshes it from its consumer loop (:func:`heartbeat_step`, a Celery bootstep), which keeps
-  turning while pool processes run tasks and stops when the loop hangs, on every broker; the
-  dispatcher refreshes it after each pass. The check reads one ``stat``.
-- **Reaches the broker**: a Redis ``PING`` (or the embedded broker's queues folder exists and is
-  writable); **reaches the database**: ``SELECT 1``. Each with its own timeout, run together,
-  so the whole check ends within ``--timeout`` and names every failure, not the first.
-
-- **Supervised**: when ``relayr run`` runs the worker, its status file
-  (:mod:`relayr.runtime.supervisor`) says whether the worker is up or down and waiting to be started
-  again; ``--worker`` is unhealthy while it is down, naming how it ended (ADR-0033). A worker
-  killed by SIGKILL leaves a heartbeat that looks fresh for up to ``--max-age``: the status says
-  it is gone at once.
-
-``--liveness`` checks the heartbeat alone (and the supervisor's status, another file read): a
-liveness probe that also needed Redis would restart every worker at once during a Redis
-outage, which helps nothing (ADR-0031).
-
-The heartbeat lives under ``RELAYR_HOME`` (``health/<role>.heartbeat``), so the probe finds it
-with the same settings as the process it checks.
+The checks behind ``relayr health`` (ADR-0031). **Alive** is a heartbeat file under
+``RELAYR_HOME`` (``health/<role>.heartbeat``) that the process refreshes (:func:`heartbeat_step`
+in a worker's consumer loop, the dispatcher after each pass) and, under ``relayr run``, the
+supervisor's status file (ADR-0033). **Reaches** is a Redis ``PING`` (or a writable embedded
+broker folder) and ``SELECT 1``, run together so the check ends within ``--timeout`` and names
+every failure. ``--liveness`` checks aliveness alone: it must not depend on Redis.
 """
 
 import asyncio

@@ -1,17 +1,9 @@
-"""Logs: structlog, configured once per process by :func:`configure_logging`.
+"""Logs: structlog, configured once per process by :func:`configure_logging` (ADR-0014).
 
-Every relayr process (a worker and its pool children, the dispatcher, the CLI) calls
-:func:`configure_logging` once, with ``RELAYR_LOG_FORMAT``: ``json`` writes one JSON object per
-line (for machines: each line carries ``run_id``, ``rule``, ``attempt``, ``tenant``,
-``workspace``, ``thread_id``, ``message_id``, ``outcome``, ``reason`` where they apply),
-``console`` a readable line (for people). structlog renders through the standard library's
-logging, so Celery's own lines and relayr's come out in the same format, on stderr.
-
-Loggers are never cached on first use: ``structlog.testing.capture_logs`` then sees every line,
-so tests check what is logged without mocks.
-
-With tracing on (``traced``), every line also carries the current span's ``trace_id`` and
-``span_id``, so a log line finds its trace and a trace its lines (ADR-0080).
+``RELAYR_LOG_FORMAT`` is ``json`` (one object per line, with ``run_id``, ``rule``, ``outcome``
+and the like where they apply) or ``console``; Celery's lines and relayr's share it, on stderr.
+Loggers are never cached, so ``structlog.testing.capture_logs`` sees every line. With tracing on,
+each line carries the current ``trace_id`` and ``span_id`` (ADR-0080).
 """
 
 import logging

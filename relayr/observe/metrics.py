@@ -1,48 +1,10 @@
 """relayr's Prometheus metrics: what runs, emissions, refusals and turns did, for every process.
 
-What each metric measures:
-
-``relayr_runs_executed_total{rule, outcome}``
-    Every call of the executor for one run, by its rule and outcome (``succeeded``,
-    ``retrying``, ``dead``, ``cancelled``, ``missing``, ``not_due``, ``contended``, ``dropped``,
-    ``interrupted``, ``abandoned``). ``dead`` is a run that exhausted its retry policy or failed
-    permanently; ``not_due`` and ``contended`` are duplicate deliveries refused at no cost.
-    ``rule`` is ``unknown`` when the run could not be read.
-``relayr_attempt_duration_seconds{rule}``
-    How long an attempt that ran the rule's action took, claim to outcome.
-``relayr_dispatch_lag_seconds``
-    How long a run waited between becoming due and its attempt starting: the queue's wait,
-    plus the dispatcher's polling when the run was not handed on at once.
-``relayr_emissions_total{kind, outcome}``
-    Every emission record written: ``kind`` ``notice`` or ``message``, ``outcome`` ``posted``,
-    ``already_posted`` (an earlier attempt posted it: a retry, harmless) or ``asked`` (the
-    message was there, its turn was asked for again).
-``relayr_refusals_total{reason}``
-    Writes a rule attempted and relayr or artifactr refused for good, by the refusal's stable
-    code (``not_allowed``, ...): a rule that asks for more than the allowlist grants.
-``relayr_runs_redelivered_total``
-    Task messages delivered again: after a worker died, or by the broker's visibility timeout.
-``relayr_runs_enqueued_total``
-    Runs enqueued: each run a task message names counts once (a message names up to 20), whoever
-    sent it: the dispatcher, ``relayr runs retry`` (or the console's retry), or a worker splitting
-    a message whose worker died.
-``relayr_turns_started_total``
-    Agent turns that runs' sends started (or asked for again) in this deployment.
-``relayr_turns_drained_total``
-    Turns that were running when their worker began to stop and ended within the grace period.
-
-Celery's prefork pool runs tasks in child processes, which a scrape of one port must see. So
-a worker uses prometheus_client's documented multiprocess mode: :func:`enable_multiprocess` sets
-``PROMETHEUS_MULTIPROC_DIR`` to a directory derived from the settings (through
-:func:`relayr.settings.export_metrics_directory`, the one module that touches the environment)
-before the worker's main process imports prometheus_client and forks its pool; every process
-then writes its values to memory-mapped files there, and the process that serves ``/metrics``
-merges them with prometheus_client's ``MultiProcessCollector`` (ADR-0030). This module imports
-prometheus_client only when a metric is first recorded or served, so the variable is set first.
-A process that never enables it (a test, a one-off command) keeps its values in memory,
-readable through :func:`registry`.
-
-Recording never fails a run: a metric that cannot be written is logged and dropped.
+The metrics and their labels are listed in docs/operations.md. A worker calls
+:func:`enable_multiprocess` before it imports prometheus_client and forks its pool, so every
+pool process writes to the shared directory the ``/metrics`` server merges (ADR-0030); a process
+that never enables it keeps its values in memory (:func:`registry`). Recording never fails a
+run: a metric that cannot be written is logged and dropped.
 """
 
 import os

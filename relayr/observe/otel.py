@@ -1,33 +1,12 @@
-"""OpenTelemetry's SDK in a relayr process: providers, OTLP export, Celery's instrumentation,
-and the span that follows an agent turn to its end (ADR-0080).
+"""OpenTelemetry's SDK in a relayr process: providers, OTLP export, Celery's instrumentation and
+the ``relayr.turn`` span that follows an agent turn to its end (ADR-0080).
 
-The one module of relayr that imports the SDK (an import-linter contract), and it is imported
-only when the settings turn tracing on (:attr:`relayr.settings.Settings.tracing`): with tracing
-off, nothing of the SDK, the exporter or the instrumentation is loaded or configured.
-
-- **A process's own providers.** OpenTelemetry's global providers can be set once per process,
-  and a pool process forked from a worker's main process inherits its parent's. So relayr sets,
-  once, global providers of its own (:class:`ProcessTracerProvider`,
-  :class:`ProcessMeterProvider`) that hand each process the SDK providers built *in* that
-  process: :func:`configure` builds them (the CLI, the dispatcher, each pool process in
-  Celery's ``worker_process_init``), or the process's first span does. A worker's main process
-  configures lazily: it records nothing in a prefork pool, so it builds nothing its children
-  could inherit (no exporter thread, no metric state copied into every child).
-- **The resource** names the process: ``service.name`` by its role (``relayr-worker``,
-  ``relayr-dispatcher``, ``relayr-cli``) unless ``OTEL_SERVICE_NAME`` names it,
-  ``service.version``, and ``process.pid``.
-- **Export**: OTLP over HTTP (protobuf) to ``<endpoint>/v1/traces`` and ``/v1/metrics``,
-  spans in batches, metrics every :data:`METRIC_INTERVAL_S`; a process that ends flushes
-  (:func:`flush`; the SDK's own exit hook for the CLI and the dispatcher).
-- **Celery** (:func:`instrument_celery`): the contrib instrumentation carries the trace context
-  in each message's headers, with a producer span where a message is sent and a consumer span
-  around the task in the pool process. Its task-duration metric is left out: relayr's
-  Prometheus metrics count tasks already (ADR-0030).
-- **The agent turn** (:func:`turn_context`): artifactr makes each turn a trace of its own, linked
-  to what started it. relayr adds, in the trace of the run that sent the turn's message (found
-  through the ledger's cause, :func:`relayr.ledger.turns.turn_cause`), a ``relayr.turn`` span that
-  ends
-  when the turn ends, linked to the turn's own trace.
+The one module that imports the SDK (an import-linter contract), imported only when the settings
+turn tracing on. :func:`configure` builds the providers of the process it runs in (the CLI, the
+dispatcher, each pool process in ``worker_process_init``); a worker's main process configures
+lazily, so its forked children inherit nothing. :func:`instrument_celery` carries the trace
+context in each message's headers; :func:`turn_context` opens the turn's span; :func:`flush`
+exports what is left when a process ends.
 """
 
 import asyncio
@@ -261,12 +240,11 @@ def turn_context(ledger: Ledger) -> TurnContext:
     """artifactr's ``turn_context``: a ``relayr.turn`` span in the trace of the run that sent
     the turn's message, from the turn's start to its end.
 
-    The run is the ledger's cause of the newest message the turn carries out that a run
-    posted (:func:`relayr.ledger.turns.turn_cause`, ADR-0026); a turn no run caused gets no span.
-    Its
-    parent is what artifactr linked the turn to: the span that sent the message (a send's), or
-    where the message was committed (a turn started by recovery or a hand-over), both in the
-    run's trace. The span links to the turn's own trace, whose spans stay artifactr's.
+    The run is the ledger's cause of the newest message the turn carries out that a run posted
+    (:func:`relayr.ledger.turns.turn_cause`, ADR-0026); a turn no run caused gets no span. Its
+    parent is what artifactr linked the turn to: the span that sent the message (a send's), or where
+    the message was committed (a turn started by recovery or a hand-over), both in the run's trace.
+    The span links to the turn's own trace, whose spans stay artifactr's.
     """
 
     @asynccontextmanager

@@ -1,30 +1,10 @@
 """Traces across the queue: relayr's spans, and the trace each continues (ADR-0080).
 
-An event's journey crosses processes: the publish (or the artifactr envelope a follower
-bridges), the dispatcher's evaluation and enqueue, the Celery task in a worker's pool process,
-the run's claim, action and completion with artifactr's commits, and the agent turn a send
-starts. The trace context travels with the work: reflexr stamps each envelope with the
-``traceparent`` of the span that published it, Celery's instrumentation carries it in the
-message's headers, artifactr stamps its envelopes and links a turn to what started it. The
-helpers here decide, where relayr's own work begins, which trace it continues:
-
-- work for one event or one run is a child of that event's trace (:func:`continuing`);
-- work for several runs at once (an evaluation, a message of up to 20 runs, a group commit)
-  is a child of their trace when they share one, and otherwise starts a trace of its own
-  with a link to each (:func:`joining`); the run's own span is then still a child of its
-  event's trace, linked to the message's (ADR-0080 says why: a message is shared, a run is
-  not). Between the evaluation that fires a run and the pass that enqueues it, the dispatcher
-  keeps the trace the run continues in :mod:`relayr.observe.firing_traces`.
-
-Tracing is off unless the settings turn it on (``RELAYR_OTEL``, ``OTEL_EXPORTER_OTLP_ENDPOINT``):
-:mod:`relayr.observe.otel` configures the SDK and calls :func:`enable`. Off, every helper returns at
-once without a span or a parsed context: the hot path pays a flag's test. This module uses
-OpenTelemetry's API only (which both libraries import anyway); :mod:`relayr.observe.otel` is the one
-module that imports the SDK (an import-linter contract).
-
-Attributes carry ids, names, counts and outcomes, never content: no message text, no event
-data. Names of reflexr's concepts are reflexr's own (``reflexr.run.id``, ``reflexr.rule``), so
-a search finds relayr's spans beside reflexr's; artifactr's are artifactr's.
+Work for one event or one run continues that event's trace (:func:`continuing`); work for
+several runs (an evaluation, a message, a group commit) continues their trace when they share
+one and otherwise starts its own, linked to each (:func:`joining`). With tracing off every
+helper returns at once. This module uses OpenTelemetry's API only (the SDK is
+:mod:`relayr.observe.otel`'s). Attributes carry ids, names, counts and outcomes, never content.
 """
 
 import contextlib
@@ -371,8 +351,7 @@ def bridge_span(
     tenant_id: str, workspace_id: str, envelope: _Bridged, event_type: str
 ) -> Span | None:
     """Start the span of one artifactr envelope a follower bridges, ``relayr.runtime.bridge``: a
-    child
-    of the envelope's trace (artifactr stamps the commit's), so the rules it fires continue
+    child of the envelope's trace (artifactr stamps the commit's), so the rules it fires continue
     it. None while tracing is off."""
     if _state.tracer is None:
         return None

@@ -1,12 +1,9 @@
 """The runs ops read: listed across every workspace, or found by id.
 
-reflexr's store is the truth about a run (ADR-0001), so runs are read through reflexr's own
-storage, across every workspace unless one is named. Runs are listed newest created first, the
-order reflexr's storage keeps and cuts a workspace's runs by (:func:`list_runs`). A run named
-without its workspace is found only when one workspace holds it (:class:`AmbiguousRun`). The
-command line and the console list and find runs here, so both read alike; what they do to the
-runs found is :mod:`relayr.ops.runs`, and what ``runs show`` says about one is
-:mod:`relayr.ops.report`.
+Runs are read through reflexr's own storage (ADR-0001), across every workspace unless one is
+named, newest created first (:func:`list_runs`). A run named without its workspace is found only
+when one workspace holds it (:class:`AmbiguousRun`). The command line and the console both read
+runs here, so they read alike.
 """
 
 import heapq

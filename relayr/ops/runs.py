@@ -1,21 +1,11 @@
 """What ops do to runs: retry, cancel or skip them safely.
 
-reflexr's store is the truth about a run (ADR-0001), so every command here changes it through
-reflexr's own operator operations. A retry is reflexr's operator retry (the run is due now, its
-attempts start again from zero) followed by an enqueue, so ops need not wait for the
-dispatcher's next pass. The enqueue is only that shortcut: when it fails after reflexr's retry
-(the broker is down, :class:`relayr.core.errors.BrokerUnavailable` after its bounded retries, or
-refused the message) the run stays retried, due now, for the dispatcher to enqueue, and the
-remaining runs are retried without trying the broker again (ADR-0034). Retrying is always safe,
-because the run's writes have derived ids: a notice an earlier attempt posted is not posted
-again, and a send whose message was committed but whose turn was never asked gets its turn
-(ADR-0026).
-
-The runs are listed and found in :mod:`relayr.ops.rows`, and shown whole in
-:mod:`relayr.ops.report`. The command line and the console find the runs they are named
-(:func:`find_runs`) and the followers they report on here (and the followers they report on with
-:func:`relayr.follow.follower.followers_of`), so both refuse
-and read alike.
+Every change goes through reflexr's own operator operations (ADR-0001). A retry is reflexr's
+retry (due now, attempts from zero) then an enqueue, so ops need not wait for the dispatcher; if
+the enqueue fails (:class:`relayr.core.errors.BrokerUnavailable`), the run stays retried for the
+dispatcher and the remaining runs skip the broker (ADR-0034). Retrying is always safe: the run's
+writes have derived ids (ADR-0026). :func:`find_runs` is how the command line and the console
+find the runs they are named, so both refuse alike.
 """
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -59,9 +49,9 @@ def operator(name: str, *, via: str) -> UserActor:
 
 
 ENQUEUE_FAILED: Final = "enqueue_failed"
-""":attr:`Done.enqueue_error` of a retried run whose enqueue failed otherwise than with the broker
-unavailable (:attr:`relayr.core.errors.BrokerUnavailable.code`): a message the broker refused,
-credentials it refused, a folder that cannot be written."""
+""":attr:`OperatorResult.enqueue_error` of a retried run whose enqueue failed otherwise than with
+the broker unavailable (:attr:`relayr.core.errors.BrokerUnavailable.code`): a message the broker
+refused, credentials it refused, a folder that cannot be written."""
 
 type EnqueueRun = Callable[[str, str, str], Awaitable[None]]
 """Hands one retried run to the queue: ``await enqueue(tenant_id, workspace_id, run_id)``
@@ -69,7 +59,7 @@ type EnqueueRun = Callable[[str, str, str], Awaitable[None]]
 
 
 @dataclass(frozen=True)
-class Done:
+class OperatorResult:
     """What an operation did to one run: changed it, or refused, and why.
 
     ``enqueued`` is a retry's: whether the run was handed to the broker at once (False: the
@@ -92,23 +82,25 @@ class Done:
 
 async def find_runs(
     rules: Workspaces, named: Iterable[tuple[WorkspaceKey | None, str]]
-) -> tuple[list[RunRow], list[Done]]:
+) -> tuple[list[RunRow], list[OperatorResult]]:
     """The runs named (each in its workspace, or the one workspace that has it), and a refusal
     that names each one that does not exist (``no run fir_... in acme/ops``) or that several
     workspaces hold (:class:`AmbiguousRun`)."""
     found: list[RunRow] = []
-    missing: list[Done] = []
+    missing: list[OperatorResult] = []
     for workspace, run_id in named:
         try:
             row = await find_run(rules, run_id, workspace)
         except AmbiguousRun as error:
-            missing.append(Done(run_id, "*", False, str(error)))
+            missing.append(OperatorResult(run_id, "*", False, str(error)))
             continue
         if row is not None:
             found.append(row)
             continue
         where = "" if workspace is None else f" in {workspace}"
-        missing.append(Done(run_id, str(workspace or "*"), False, f"no run {run_id}{where}"))
+        missing.append(
+            OperatorResult(run_id, str(workspace or "*"), False, f"no run {run_id}{where}")
+        )
     return found, missing
 
 
@@ -119,7 +111,7 @@ async def retry(
     *,
     dry_run: bool = False,
     actor: UserActor = OPERATOR,
-) -> list[Done]:
+) -> list[OperatorResult]:
     """reflexr's operator retry of each run, then an enqueue, so it runs at once.
 
     When ``enqueue`` fails, with :class:`BrokerUnavailable` or any other error (logged), that
@@ -129,14 +121,16 @@ async def retry(
     """
     failed: tuple[str, str] | None = None  # once the enqueue failed: its code and message
 
-    async def retry_one(row: RunRow) -> Done:
+    async def retry_one(row: RunRow) -> OperatorResult:
         nonlocal failed
         if dry_run:
             current = await rules.storage.run(_ref(row), row.id)
             if current is None or current.status in ("succeeded", "running"):
                 status = "gone" if current is None else current.status
-                return Done(row.id, str(row.workspace), False, f"cannot retry a {status} run")
-            return Done(row.id, str(row.workspace), True, "would retry", current.status)
+                return OperatorResult(
+                    row.id, str(row.workspace), False, f"cannot retry a {status} run"
+                )
+            return OperatorResult(row.id, str(row.workspace), True, "would retry", current.status)
         handle = await rules.open(row.tenant_id, row.workspace_id, actor=actor)
         retried = await handle.retry_run(row.id)
         if failed is None:
@@ -154,15 +148,15 @@ async def retry(
                 )
             else:
                 done = "retried and enqueued"
-                return Done(row.id, str(row.workspace), True, done, retried.status, True)
+                return OperatorResult(row.id, str(row.workspace), True, done, retried.status, True)
         code, why = failed
         detail = f"retried, not enqueued ({why}); the dispatcher will enqueue it"
-        return Done(row.id, str(row.workspace), True, detail, retried.status, False, code)
+        return OperatorResult(row.id, str(row.workspace), True, detail, retried.status, False, code)
 
     return [await _guarded(row, retry_one) for row in targets]
 
 
-def not_enqueued(results: Sequence[Done], broker: str) -> str | None:
+def not_enqueued(results: Sequence[OperatorResult], broker: str) -> str | None:
     """One line for ops when a retry reached reflexr but not the broker ``broker`` (already
     redacted), naming each run left for the dispatcher (ADR-0034); None when all went through."""
     left = [result for result in results if result.enqueued is False]
@@ -183,37 +177,41 @@ def not_enqueued(results: Sequence[Done], broker: str) -> str | None:
 
 async def cancel(
     rules: Workspaces, targets: Sequence[RunRow], *, reason: str, actor: UserActor = OPERATOR
-) -> list[Done]:
+) -> list[OperatorResult]:
     """reflexr's operator cancel of each run; a running attempt is fenced off."""
 
-    async def cancel_one(row: RunRow) -> Done:
+    async def cancel_one(row: RunRow) -> OperatorResult:
         handle = await rules.open(row.tenant_id, row.workspace_id, actor=actor)
         cancelled = await handle.cancel_run(row.id, reason=reason)
-        return Done(row.id, str(row.workspace), True, "cancelled", cancelled.status)
+        return OperatorResult(row.id, str(row.workspace), True, "cancelled", cancelled.status)
 
     return [await _guarded(row, cancel_one) for row in targets]
 
 
 async def skip(
     rules: Workspaces, targets: Sequence[RunRow], *, reason: str, actor: UserActor = OPERATOR
-) -> list[Done]:
+) -> list[OperatorResult]:
     """reflexr's operator skip of each run: it will not run, and its scope moves on."""
 
-    async def skip_one(row: RunRow) -> Done:
+    async def skip_one(row: RunRow) -> OperatorResult:
         handle = await rules.open(row.tenant_id, row.workspace_id, actor=actor)
         skipped = await handle.skip_run(row.id, reason=reason)
-        return Done(row.id, str(row.workspace), True, "skipped", skipped.status)
+        return OperatorResult(row.id, str(row.workspace), True, "skipped", skipped.status)
 
     return [await _guarded(row, skip_one) for row in targets]
 
 
-async def _guarded(row: RunRow, operation: Callable[[RunRow], Awaitable[Done]]) -> Done:
+async def _guarded(
+    row: RunRow, operation: Callable[[RunRow], Awaitable[OperatorResult]]
+) -> OperatorResult:
     try:
         return await operation(row)
     except (InvalidState, NotFound) as refused:
-        return Done(row.id, str(row.workspace), False, refused.message)
+        return OperatorResult(row.id, str(row.workspace), False, refused.message)
     except Rejection as refused:
-        return Done(row.id, str(row.workspace), False, f"{refused.code}: {refused.message}")
+        return OperatorResult(
+            row.id, str(row.workspace), False, f"{refused.code}: {refused.message}"
+        )
 
 
 def _ref(row: RunRow) -> WorkspaceRef:

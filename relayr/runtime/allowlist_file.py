@@ -1,11 +1,9 @@
 """The allowlist file a worker runs with: read, and reloaded when it changes.
 
-The policy and the parsing are pure (:mod:`relayr.core.allowlist`,
-:mod:`relayr.core.allowlist_toml`); this module is their I/O: reading the file and watching it.
-A worker that reloads a file gone bad keeps the last good one in force, so a typo never widens
-or empties what rules may do. A running worker checks the file at most once a second
-(:data:`CHECK_INTERVAL_S`) when a run acts; nothing else reloads it (no signal: a Celery worker's
-main process takes SIGHUP as a restart).
+The policy and parsing are pure (:mod:`relayr.core.allowlist`); this is their I/O. A reload of
+a file gone bad keeps the last good one in force, so a typo never widens or empties what rules
+may do. A worker checks the file at most every :data:`CHECK_INTERVAL_S` when a run acts; no
+signal reloads it (a Celery main process takes SIGHUP as a restart).
 """
 
 import logging

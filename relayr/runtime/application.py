@@ -1,18 +1,11 @@
 """Application wiring: what a user's ``RELAYR_APP`` factory returns, and the helpers it uses.
 
-An application is named ``package.module:factory``; the factory is an ``async`` function of the
-:class:`~relayr.settings.Settings` that returns an :class:`Application`: artifactr's workspaces,
-reflexr's workspaces with the rules, the actions by name, and optionally the pydantic-ai agent
-that carries out turns (without one, no rule may start a turn, whatever the allowlist says).
-
-The factory is called inside the event loop that will use what it builds, because async engines
-and both libraries' SQL storage belong to the loop that first used them.
-:func:`open_storage` builds both libraries' storage on one database, migrating both at start, so
-a worker, the dispatcher and the CLI all open the same thing the same way.
-
-Importing this module imports neither library (nor SQLAlchemy): an application module imports
-it for :class:`Application`, and commands that use one library only must not pay for the other
-(ADR-0050, :mod:`relayr.runtime.parts`). The libraries are imported where they are used.
+``RELAYR_APP`` names ``package.module:factory``, an ``async`` function of the
+:class:`~relayr.settings.Settings` returning an :class:`Application` (workspaces of both
+libraries, rules, actions, and optionally the agent; without one no rule may start a turn). It is
+called inside the event loop that will use what it builds. :func:`open_storage` opens and
+migrates both libraries' storage on one database. Importing this module imports neither library
+(ADR-0050).
 """
 
 from __future__ import annotations

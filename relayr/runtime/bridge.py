@@ -1,8 +1,7 @@
 """The bridge: what a run's actions act through, one per worker process and event loop.
 
-Its storage, ledger and artifactr ``Runner`` belong to the event loop that made them (an async
-engine cannot be reused by another loop), so a worker process builds one bridge on its own
-long-lived loop after it forks, and hands it to every run as the reaction's ``deps``.
+Its storage, ledger and artifactr ``Runner`` belong to the loop that made them, so a worker
+builds one on its own long-lived loop after it forks and hands it to every run as ``deps``.
 """
 
 import asyncio
@@ -17,7 +16,8 @@ from artifactr.agent import RunHandle, Runner
 
 from relayr.core.allowlist import Allowlists
 from relayr.ledger.port import Ledger
-from relayr.observe import metrics
+from relayr.observe import hooks
+from relayr.observe.hooks import TurnStarted
 from relayr.runtime.transient import BACKOFF_S, TRIES, is_transient, retried
 
 type Ask = Callable[[], Awaitable[RunHandle | None]]
@@ -40,46 +40,46 @@ class StartedTurns:
     A turn that fails on a transient storage fault (a dropped connection) before it took its
     message leaves the message untaken: artifactr's Runner leaves it to the thread's next
     command, and a rule's message may have no next command. So such a turn is asked for again,
-    a few times (``again``): ``Runner.ask`` starts the turn the message still waits for, or
+    a few times (``ask_again``): ``Runner.ask`` starts the turn the message still waits for, or
     does nothing if a turn took it.
     """
 
     handles: set[RunHandle] = field(default_factory=set)
     asking: set["asyncio.Task[None]"] = field(default_factory=set)
 
-    def started(self, handle: RunHandle | None, *, again: Ask | None = None) -> None:
-        self._track(handle, again, ASK_AGAIN_TRIES)
+    def started(self, handle: RunHandle | None, *, ask_again: Ask | None = None) -> None:
+        self._track(handle, ask_again, ASK_AGAIN_TRIES)
 
-    def _track(self, handle: RunHandle | None, again: Ask | None, tries: int) -> None:
+    def _track(self, handle: RunHandle | None, ask_again: Ask | None, tries: int) -> None:
         if handle is None or handle in self.handles:
             return
-        metrics.record_turn_started()
+        hooks.emit(TurnStarted())
         self.handles.add(handle)
 
         def ended(task: "asyncio.Task[Any]") -> None:
             self.handles.discard(handle)
             failure = None if task.cancelled() else task.exception()
-            if again is None or tries <= 0 or failure is None or not is_transient(failure):
+            if ask_again is None or tries <= 0 or failure is None or not is_transient(failure):
                 return
             logger.warning(
-                "turn failed on a transient fault; asking for it again",
+                "turn failed on a transient fault; asking for it ask_again",
                 turn_id=handle.run_id,
                 thread_id=handle.thread_id,
                 error=f"{type(failure).__name__}: {failure}",
             )
-            asking = asyncio.get_running_loop().create_task(self._ask(again, tries - 1))
+            asking = asyncio.get_running_loop().create_task(self._ask(ask_again, tries - 1))
             self.asking.add(asking)
             asking.add_done_callback(self.asking.discard)
 
         handle.task.add_done_callback(ended)
 
-    async def _ask(self, again: Ask, tries: int) -> None:
+    async def _ask(self, ask_again: Ask, tries: int) -> None:
         await asyncio.sleep(BACKOFF_S[0])
         try:
-            self._track(await retried(again), again, tries)
+            self._track(await retried(ask_again), ask_again, tries)
         except Exception:
             logger.exception(
-                "asking for a failed turn again failed; the thread's next command takes it"
+                "asking for a failed turn ask_again failed; the thread's next command takes it"
             )
 
     def running(self) -> list[RunHandle]:

@@ -1,22 +1,10 @@
-"""The runtime: one per process, built on and used from one long-lived event loop.
+"""The runtime: one per process, built on and used from one long-lived event loop (ADR-0004).
 
-Async engines, both libraries' SQL storage and artifactr's ``Runner`` belong to the loop that
-made them (docs/libraries.md, A1), and a turn the Runner starts is a task of that loop
-(A4). So a process opens one :class:`Runtime` on its own loop (a worker after it forks)
-and runs every task, pass and command on that loop, never ``asyncio.run`` per task.
-
-Starting a worker loads the allowlist file (an invalid one stops the process with every problem
-named); other processes (the dispatcher, the CLI) never act as a rule, so they grant nothing and
-do not need the file, which an operator may be in the middle of fixing. Starting builds the
-application, opens the ledger on the application's database, and creates the Runner
-when the application has an agent. A worker then takes the turns that were asked for and never
-taken (``Runner.recover``), which a worker that died between a send and its turn left behind.
-
-Closing is the reverse and always completes: turns this process started get
-``turn_grace_s`` to finish, then ``Runner.aclose()`` cancels what is left (a cancelled turn
-ends ``stopped``, or stays asked for the next worker's recovery), the ledger closes and the
-engines are disposed of, so no SQLite write lock or PostgreSQL transaction outlives the loop
-(docs/libraries.md, A1).
+Open one :class:`Runtime` on the process's own loop (a worker: after it forks) and run every
+task, pass and command on it, never ``asyncio.run`` per task. Opening builds the application
+and the ledger and, with an agent, the Runner; a worker also loads the allowlist file and
+recovers turns asked for and never taken. Closing always completes: running turns get
+``turn_grace_s``, then everything is closed and disposed of, so no lock outlives the loop.
 """
 
 import asyncio
@@ -34,6 +22,7 @@ from artifactr.agent import RunHandle, Runner, TurnContext
 
 from relayr.core.allowlist import Allowlists
 from relayr.ledger import InMemoryLedger, Ledger, SqlLedger
+from relayr.observe import observers
 from relayr.runtime.allowlist_file import AllowlistFile
 from relayr.runtime.application import Application, load_application
 from relayr.runtime.bridge import Bridge
@@ -70,8 +59,8 @@ class Runtime:
         holder: This process's name in reflexr's leases.
         role: What the process is: a worker executes runs and recovers turns.
         recovered: The turns recovery started.
-        executing: The runs this process is executing now, as (tenant, workspace, run) ids.
-            Its executors share one lease holder, so a second delivery of a run to the same
+        executing: The runs this process is executing now, as (tenant, workspace, run) ids. Its
+            executors share one lease holder, so a second delivery of a run to the same
             process must be told apart here, not by the lease.
     """
 
@@ -108,6 +97,7 @@ class Runtime:
             InvalidAllowlist: If a worker's allowlist file is missing or invalid.
             InvalidApplication: If the application cannot be built.
         """
+        observers.install()
         allowlist_file = None
         if allowlists is None and role == "worker":
             allowlist_file = AllowlistFile.open(settings.allowlist)

@@ -1,36 +1,11 @@
 """``relayr run`` supervises its worker: a worker that exits is started again, with back-off.
 
-``relayr run`` is the main job on one machine: the dispatcher in its own process and a
-``relayr worker`` subprocess. A worker can die of things its own code cannot catch (the kernel's
-OOM killer, a SIGKILL, a crash in its main process); without a supervisor the runs would stay
-``pending`` until a person noticed. So (ADR-0033):
-
-- A worker that exits while ``relayr run`` is not stopping is started again after a back-off
-  that doubles from ``first_s`` (1 s) up to ``max_s`` (30 s) with each exit in a row, and starts
-  from ``first_s`` again once a worker stayed up :data:`STABLE_AFTER_S`. A crash loop so costs
-  one start per 30 s, not a busy machine, and a worker that dies once a day always comes back
-  within a second. Each exit (its code or signal, how long it was up) and each start is logged.
-- A worker that exits with code 2 cannot start: its settings, allowlist or application are bad
-  input, which starting it again cannot fix. ``relayr run`` then stops (exit code 2) instead of
-  looping. It checks the same inputs itself before the first start, so a bad file is refused
-  in one line before anything runs; code 2 later means a file was broken while it ran.
-- A worker that cannot even be started (starting a process fails: a full process table, no
-  memory to fork, a missing interpreter) counts as one more exit in a row: it is logged and
-  tried again after the back-off, as an exit is.
-- A worker's main process that exited is cleaned up at once: what is left of its session (its
-  pool processes) is killed, so a crash loop does not pile up orphaned pools beside the new
-  worker's; their runs' leases lapse and the runs are taken over (``abandoned``). Stopping
-  does the same, whether the worker still ran or not.
-- While it supervises, ``relayr run`` keeps a status file, ``health/worker.supervisor.json``
-  under ``RELAYR_HOME``: the worker's pid, whether it is running or waiting to be started
-  again, since when, how many restarts so far, and the last exit. ``relayr health --worker``
-  reads it and is unhealthy, naming the exit, while the worker is down. The file is written
-  whole (a temporary file renamed over it), refreshed at every poll so a reader can tell a live
-  supervisor from a gone one, and removed when ``relayr run`` stops. It is for health only, so
-  writing it is best effort: a write that fails (a full disk) is logged, and supervising goes
-  on.
-
-The status file's format is health's (:mod:`relayr.observe.health`), which reads it.
+Per ADR-0033: the back-off doubles from ``first_s`` to ``max_s`` with each exit in a row and
+resets once a worker stayed up :data:`STABLE_AFTER_S`; a failed start counts as an exit. Exit
+code 2 (bad settings, allowlist or application) stops ``relayr run`` with code 2 instead of
+looping. An exited worker's leftover pool is killed. While it supervises, a status file
+(``health/worker.supervisor.json`` under ``RELAYR_HOME``, written whole, best effort) tells
+:mod:`relayr.observe.health` whether the worker is up.
 """
 
 import asyncio

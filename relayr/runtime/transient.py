@@ -1,14 +1,9 @@
 """Transient faults: which errors may pass if the same step is tried again, and the bounded retry.
 
-A dropped database connection, SQLite's ``database is locked`` and a broker that is briefly
-unreachable pass within a second; a constraint, a refusal or a programming error does not. Each
-step relayr retries is safe to repeat: a storage transaction either committed or rolled back
-whole (a fault during COMMIT may hide which: :class:`relayr.execution.tries.Tries`), an artifactr
-write
-carries an id derived from the run (a repeat is refused as used), a broker message only names
-runs whose store decides. So a transient fault is retried inside the attempt, a few times
-within a fraction of a second, and never spends one of the rule's retries; what still fails
-after that is the attempt's failure (or the task's), as before.
+A dropped connection, SQLite's ``database is locked`` or a briefly unreachable broker is
+transient; a constraint, a refusal or a programming error is not. Every step retried here is
+safe to repeat, so a transient fault is retried a few times within the attempt and never spends
+one of the rule's retries.
 """
 
 from collections.abc import Awaitable, Callable

@@ -54,7 +54,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from relayr.runtime.application import Application, open_storage
-from relayr.runtime.parts import (
+from relayr.runtime.application_parts import (
     ArtifactsPart,
     RulesPart,
     open_artifact_storage,
@@ -214,15 +214,15 @@ def artifact_workspaces(storage: "ArtifactStorage") -> "ArtifactWorkspaces":
 
 
 async def create_rules(settings: Settings) -> RulesPart:
-    """The example's rules part (:mod:`relayr.runtime.parts`): for publishing, and for ops on
-    runs."""
+    """The example's rules part (:mod:`relayr.runtime.application_parts`): for publishing, and
+    for ops on runs."""
     storage = await open_rule_storage(settings)
     return RulesPart(rule_workspaces(storage.storage), storage.engines)
 
 
 async def create_artifacts(settings: Settings) -> ArtifactsPart:
-    """The example's artifacts part (:mod:`relayr.runtime.parts`): for creating and reading
-    threads."""
+    """The example's artifacts part (:mod:`relayr.runtime.application_parts`): for creating and
+    reading threads."""
     storage = await open_artifact_storage(settings)
     return ArtifactsPart(artifact_workspaces(storage.storage), storage.engines)
 

@@ -2,8 +2,7 @@
 follower bridges (a follow-up, a page, the scribe's write-up).
 
 Each acts as its rule's own participant through :func:`relayr.execution.actions.acting`, with ids
-derived
-from the run, so a retried attempt writes nothing twice. Only workers import this module.
+derived from the run, so a retried attempt writes nothing twice. Only workers import this module.
 """
 
 import json

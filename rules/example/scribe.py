@@ -1,14 +1,13 @@
 """The example's agent-driven rule: a scribe whose offline model acts through the run's tools.
 
-When the triage turn of an incident thread ends, rule ``ops:incident-scribe`` hands the turn's
-end to an agent whose tools are the run's own writes (:mod:`relayr.execution.agent_tools`): it
-proposes a
-triage note (an artifact of kind ``triage_note``; the allowlist grants the rule no direct
-writes, so a person reviews it), then posts a notice that names the proposal. Its model is a
-function (pydantic-ai's ``FunctionModel``) that makes those two tool calls and answers, so the
-example runs without a network, and the same calls on a retried attempt make the same writes,
-once. The action (:func:`rules.example.actions.incident_scribe`) returns how many tool calls
-the agent made, which the demo counts.
+When the triage turn of an incident thread ends, rule ``ops:incident-scribe`` hands the turn's end
+to an agent whose tools are the run's own writes (:mod:`relayr.execution.agent_tools`): it proposes
+a triage note (an artifact of kind ``triage_note``; the allowlist grants the rule no direct writes,
+so a person reviews it), then posts a notice that names the proposal. Its model is a function
+(pydantic-ai's ``FunctionModel``) that makes those two tool calls and answers, so the example runs
+without a network, and the same calls on a retried attempt make the same writes, once. The action
+(:func:`rules.example.actions.incident_scribe`) returns how many tool calls the agent made, which
+the demo counts.
 
 Only workers import this module (pydantic-ai, artifactr and reflexr).
 """

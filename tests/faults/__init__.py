@@ -9,6 +9,7 @@
 - :mod:`~tests.faults.relay`: the one place that knows the dispatcher and the run task;
 - :mod:`~tests.faults.constants`: every constant, with why.
 
-The scenarios are in tests/test_faults.py; docs/adr/0040-fault-tests-break-real-processes.md
+The scenarios are in tests/execution/test_faults.py;
+docs/adr/0040-fault-tests-break-real-processes.md
 says why they are built this way.
 """

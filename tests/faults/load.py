@@ -1,6 +1,7 @@
 """A fault scenario's load: real workers, the dispatcher, the example's runs published in parts.
 
-A scenario (tests/test_faults.py) starts a Redis of its own (:mod:`tests.faults.private_redis`)
+A scenario (tests/execution/test_faults.py) starts a Redis of its own
+(:mod:`tests.faults.private_redis`)
 and real ``celery worker`` processes (:mod:`tests.workers`) running the fault application
 (:mod:`tests.faults.app`), and runs the dispatcher in the test process
 (:mod:`tests.faults.relay`). Its fault (:mod:`tests.faults.breaks`) publishes the load part by

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from relayr.core.run_messages import RunBatch
+from relayr.core.run_messages import RunMessage
 from relayr.dispatch.dispatcher import Dispatcher
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -43,7 +43,7 @@ async def dispatching(runtime: Runtime, settings: Settings) -> AsyncIterator[Han
     app = create_celery(settings)
     handed = Handed()
 
-    async def enqueue(batch: RunBatch) -> None:
+    async def enqueue(batch: RunMessage) -> None:
         try:
             await asyncio.to_thread(send_runs, app, settings.queue, batch)
         except Exception:

@@ -1,0 +1,1 @@
+"""Tests of the embedded and Redis transports, with real worker processes."""

@@ -1,0 +1,110 @@
+"""The console's pages over HTTP, on a real ``relayr console`` process: what they show of what
+is stored, and how they answer a bad request.
+
+Stored markup comes back escaped; a bad parameter is one line naming it (400); a run or thread
+that does not exist is 404; a run id that two workspaces hold, named without its workspace, is
+a page that links to both runs. The consoles are :mod:`tests.console.console_http`'s; the runs
+are fired by the CLI and reflexr's Reactor.
+"""
+
+import asyncio
+import html
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from reflexr import SourceActor
+from reflexr.workspace import Reactor
+
+from relayr.runtime.process import Runtime
+from relayr.settings import Settings
+from tests.console.console_http import SCRIPT, WHERE, environment_of
+from tests.consoles import Client, Console, relayr, running_console
+
+
+def test_stored_markup_comes_back_as_text(read_only: tuple[Console, str]) -> None:
+    console, thread = read_only
+    client = Client()
+    pages: dict[str, Any] = {
+        "thread": client.get(console.at(f"/thread?workspace={WHERE}&id={thread}")),
+        "allowlist": client.get(console.at("/allowlist")),
+        "rule filter": client.get(console.at("/runs?rule=" + SCRIPT)),
+    }
+    for name, (status, page, _) in pages.items():
+        assert status == 200, name
+        assert "<script" not in page, name
+        assert "&lt;script&gt;document.title=&#39;pwned&#39;&lt;/script&gt;" in page, name
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/runs?since=yesterday", "since 'yesterday' is not a duration"),
+        ("/runs?workspace=acme/ops/x", "workspace 'acme/ops/x' is malformed"),
+        ("/runs?workspace=a%20b", "workspace 'a b' is malformed: expected TENANT or TENANT/"),
+        ("/runs?status=lost", "status 'lost' is not one of dead, retrying, running, pending"),
+        ("/runs?sort=size", "sort 'size' is not one of created, changed"),
+        ("/runs?from=yesterday", "from 'yesterday' is not a time"),
+        ("/runs?after=x", "after 'x' is not a page's cursor"),
+        ("/event?workspace=acme/ops&seq=0", "seq '0' is not a position in the log"),
+        ("/run?id=a%20b", "id 'a b' is malformed"),
+        ("/thread?workspace=acme/ops", "id '' is malformed"),
+        ("/retry-dead?since=2x", "since '2x' is not a duration"),
+    ],
+)
+def test_a_bad_parameter_is_one_line_naming_it(
+    token_console: Console, path: str, message: str
+) -> None:
+    status, page, _ = Client().get(token_console.at(path))
+    assert status == 400
+    assert message in html.unescape(page)
+
+
+def test_a_run_or_thread_that_does_not_exist_is_404(token_console: Console) -> None:
+    client = Client()
+    status, page, _ = client.get(token_console.at("/run?id=fir_0000000000000000"))
+    assert (status, "no run fir_0000000000000000" in page) == (404, True)
+    status, page, _ = client.get(token_console.at(f"/thread?workspace={WHERE}&id=thr_0"))
+    assert (status, "thread thr_0 does not exist in acme/ops" in page) == (404, True)
+
+
+def test_a_run_id_two_workspaces_hold_is_shown_with_its_workspace_only(tmp_path: Path) -> None:
+    """The same rule firing at the same seq in two workspaces makes the same run id: a page
+    that names the id alone, and a search for it, link to both runs."""
+    environment = environment_of(tmp_path)
+    data = json.dumps({"thread_id": "thr_1", "payload": "same"})
+    for where in ("acme/ops", "acme/billing"):
+        relayr(environment, "publish", where, "consolew:hostile", "--data", data)
+
+    async def fired() -> set[str]:
+        runtime = await Runtime.start(Settings.from_env(environment), role="cli")
+        async with runtime:
+            rules = runtime.application.rules
+            await Reactor(rules, actions=runtime.application.actions).evaluate()
+            ids = set()
+            for workspace in ("ops", "billing"):
+                log = await rules.open("acme", workspace, actor=SourceActor(name="test"))
+                ids |= {run.id for run in await log.runs()}
+            return ids
+
+    [run_id] = asyncio.run(fired())  # the premise: one id, in both workspaces
+    with running_console(environment, tmp_path) as console:
+        client = Client()
+        for path in (f"/run?id={run_id}", f"/search?q={run_id}"):
+            status, page, _ = client.get(console.at(path))
+            assert status == 200, path
+            links = set(re.findall(r'href="(/run\?[^"]+)"', html.unescape(page)))
+            assert links == {
+                f"/run?id={run_id}&workspace=acme%2Fbilling",
+                f"/run?id={run_id}&workspace=acme%2Fops",
+            }, path
+        assert "is in 2 workspaces" in page_of(client, console.at(f"/run?id={run_id}"))
+        status, page, _ = client.get(console.at(f"/run?id={run_id}&workspace=acme/billing"))
+        assert status == 200
+        assert "acme/billing" in page
+
+
+def page_of(client: Client, url: str) -> str:
+    return html.unescape(client.get(url)[1])

@@ -1,0 +1,1 @@
+"""Tests of the pure core: ids, the allowlist's policy and parsing, routing, records."""

@@ -1,0 +1,1 @@
+"""Tests of deciding: evaluation, the dispatcher's hand-out, lost messages."""

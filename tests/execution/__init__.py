@@ -1,0 +1,1 @@
+"""Tests of acting: the executor, a run's writes, real worker processes and faults."""

@@ -1,0 +1,1 @@
+"""Tests of the followers that bring artifactr's events back into reflexr."""

@@ -1,0 +1,1 @@
+"""Tests of metrics, traces, logs and health."""

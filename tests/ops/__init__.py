@@ -1,0 +1,1 @@
+"""Tests of what ops do to runs."""

@@ -1,0 +1,1 @@
+"""Tests of one process's runtime: settings, the application, storage, the supervisor."""
