@@ -1,11 +1,11 @@
 """The ``relayr`` command line: the one package that composes relayr's engine with ``tasks``.
 
 Each command family has a module of its own (``serve``, ``publish``, ``threads``, ``demo``,
-``follow``, ``allowlist``, ``runs``, ``health``, ``console``). Every command reads the settings
-once, takes ``--json`` when it prints data, and stops on bad input before writing anything, with
-one line naming what is wrong and exit code 2 (:mod:`relayr.cli.helpers`). A command's module
-imports only click and the helpers; Celery, the libraries and the application are imported when
-the command runs (ADR-0050).
+``follow``, ``allowlist``, ``runs``, ``health``, ``console``, ``db``). Every command reads the
+settings once, takes ``--json`` when it prints data, and stops on bad input before writing
+anything, with one line naming what is wrong and exit code 2 (:mod:`relayr.cli.helpers`). A
+command's module imports only click and the helpers; Celery, the libraries and the application
+are imported when the command runs (ADR-0050).
 """
 
 import importlib
@@ -16,6 +16,7 @@ import click
 COMMANDS: Final = {
     "allowlist": "relayr.cli.allowlist:allowlist",
     "console": "relayr.cli.console:console",
+    "db": "relayr.cli.db:db",
     "demo": "relayr.cli.demo:demo",
     "dispatch": "relayr.cli.serve:dispatch",
     "follow": "relayr.cli.follow:follow",

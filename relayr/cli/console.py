@@ -4,8 +4,9 @@ Same settings and storage as every command; a retry from the browser is ``relayr
 It binds to loopback unless ``--host`` says otherwise, acts only with ``RELAYR_CONSOLE_TOKEN``
 set, and answers only IP addresses, ``localhost`` and ``--allowed-host`` names (ADR-0070).
 Invalid settings, a malformed ``--allowed-host``, a port in use or an application that cannot
-load are bad input (exit 2). ``--port 0`` takes a free port and prints it; ``--probe`` asks a
-running console's ``/healthz``.
+load are bad input (exit 2), and so is a missing ``console`` extra, named (ADR-0111).
+``--port 0`` takes a free port and prints it; ``--probe`` asks a running console's
+``/healthz``.
 """
 
 import re
@@ -34,6 +35,16 @@ WILDCARDS: Final = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 ANY_HOST: Final = "*"
 """``--allowed-host``'s value that answers every host name (a proxy in front checks them)."""
+
+CONSOLE_EXTRA: Final = {
+    "starlette": "starlette",
+    "jinja2": "jinja2",
+    "uvicorn": "uvicorn",
+    "python_multipart": "python-multipart",
+    "itsdangerous": "itsdangerous",
+}
+"""What the console imports from the ``console`` extra, by module, with the distribution that
+provides each: a worker installs relayr without them (ADR-0111)."""
 
 HOST_NAME: Final = re.compile(
     r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*"
@@ -101,6 +112,7 @@ def console(
     if probe:
         _probe(host, port)
         return
+    require_the_extra()
     hosts = parse_allowed_hosts(allowed_hosts)
     header = parse_operator_header(operator_header)
     settings = load_settings(log_level="INFO")
@@ -113,6 +125,27 @@ def console(
         _serve(settings, listener, access, hosts, https_only, header)
     finally:
         listener.close()
+
+
+def require_the_extra() -> None:
+    """Import the console's web stack, or stop: bad input naming the extra to install.
+
+    Raises:
+        BadInput: Naming the ``console`` extra and the distributions that are missing.
+    """
+    import importlib
+
+    missing = []
+    for module, distribution in CONSOLE_EXTRA.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(distribution)
+    if missing:
+        fail(
+            f"relayr console needs the console extra ({', '.join(missing)} not installed): "
+            "pip install 'relayr[console]'"
+        )
 
 
 def parse_allowed_hosts(values: Sequence[str]) -> frozenset[str] | None:

@@ -4,8 +4,9 @@ One event: ``--data`` (a JSON object), ``--id`` to publish it once. Many: ``--da
 (``-`` for stdin), one JSON object per line. Every line is checked before the first write (the
 first bad one is named, exit 2, nothing published); the file goes in transactions of
 :data:`CHUNK_EVENTS`. ``--id-prefix P`` gives line N the id ``P-N``, so publishing the file again
-adds nothing; without it, a publish that stopped half way names the last line published.
-Builds the application's rules part only (ADR-0050).
+adds nothing; without it, a publish that stopped half way names the last line published. A
+progress bar on a terminal, when tqdm (the ``console`` extra) is installed. Builds the
+application's rules part only (ADR-0050).
 """
 
 import json
@@ -423,9 +424,12 @@ class _NoProgress:
 
 
 def _progress(total: int) -> Any:
-    """A progress bar on stderr when it is a terminal (tqdm), else one that shows nothing."""
+    """A progress bar on stderr when it is a terminal and tqdm (the ``console`` extra) is
+    installed, else one that shows nothing."""
     if not sys.stderr.isatty():
         return _NoProgress()
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
     return tqdm(total=total, unit="event", file=sys.stderr, leave=False)

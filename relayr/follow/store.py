@@ -2,8 +2,9 @@
 
 Cursor and lease share one row, so taking the lease returns the cursor and moving the cursor
 renews the lease. A cursor only moves forward, and only its lease holder moves it (ADR-0065).
-:class:`InMemoryFollowStore` and :class:`SqlFollowStore` keep one contract. Times are the
-caller's clock in UTC: every following process must keep its clock in step.
+:class:`InMemoryFollowStore` and :class:`SqlFollowStore` keep one contract; the SQL tables are
+made and changed by relayr's migrations, as the ledger's are. Times are the caller's clock in
+UTC: every following process must keep its clock in step.
 """
 
 from collections.abc import Collection, Sequence
@@ -219,6 +220,8 @@ def workspace_order(key: WorkspaceKey) -> tuple[str, str]:
 
 
 metadata = MetaData()
+"""The followers' tables as the code reads and writes them. relayr's migrations make them: a
+change here is a new migration too (the migration tests compare the two)."""
 
 cursors_table = Table(
     "relayr_follow_cursors",
@@ -257,7 +260,7 @@ class SqlFollowStore(SqlStore):
     """
 
     def __init__(self, engine: AsyncEngine) -> None:
-        super().__init__(engine, metadata, refusal="followers store")
+        super().__init__(engine, refusal="followers store")
 
     async def take(
         self, workspace: WorkspaceKey, holder: str, *, until: datetime, now: datetime

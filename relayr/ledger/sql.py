@@ -2,10 +2,11 @@
 
 Every call is one short transaction. The first cause under a key is kept by the database
 (``INSERT ... ON CONFLICT DO NOTHING``), so concurrent contenders all get the same answer.
-Emission records are validated again when read. The tables are created when missing
-(:func:`create_missing_tables`). The engine is usually shared and not the ledger's to dispose
-of; on SQLite it has one connection, so never call the ledger while holding one of its
-connections. :class:`SqlStore` is what the ledger shares with the followers' store.
+Emission records are validated again when read. The tables are made and changed by relayr's
+migrations, upgraded to head before a store's first statement (:func:`relayr.migrations.upgrade`,
+ADR-0110). The engine is usually shared and not the ledger's to dispose of; on SQLite it has one
+connection, so never call the ledger while holding one of its connections. :class:`SqlStore` is
+what the ledger shares with the followers' store.
 """
 
 import asyncio
@@ -18,7 +19,6 @@ from sqlalchemy import (
     BigInteger,
     Column,
     ColumnElement,
-    Connection,
     DateTime,
     Integer,
     MetaData,
@@ -27,23 +27,24 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     and_,
-    inspect,
     make_url,
     or_,
     select,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from relayr.core.emissions import EmissionRecord, validate_emission
 from relayr.core.errors import InvalidEmission
 from relayr.ledger.port import Cause, CauseRecord, LedgerWrites, WorkspaceKey, WriteKind
 from relayr.ledger.with_the_write import Statements, with_the_write
+from relayr.migrations import upgrade
 
 SUPPORTED_DIALECTS = frozenset({"postgresql", "sqlite"})
 
 metadata = MetaData()
+"""The ledger's tables as the code reads and writes them. relayr's migrations make them: a
+change here is a new migration too (the migration tests compare the two)."""
 
 causes_table = Table(
     "relayr_causes",
@@ -94,27 +95,6 @@ _CAUSE_COLUMNS = (
 )
 
 
-async def create_missing_tables(engine: AsyncEngine, tables: MetaData) -> None:
-    """Create ``tables`` where they are missing; safe at every start, and concurrently.
-
-    A process that loses the race to create a table finds it made by the winner and carries on;
-    any other failure is raised. relayr's own tables (the ledger's, the followers') are made
-    this way, beside the libraries' Alembic-managed ones.
-    """
-    try:
-        async with engine.begin() as connection:
-            await connection.run_sync(tables.create_all, checkfirst=True)
-    except DBAPIError:
-        async with engine.begin() as connection:
-            if not await connection.run_sync(_has_tables, tables):
-                raise
-
-
-def _has_tables(connection: Connection, tables: MetaData) -> bool:
-    inspector = inspect(connection)
-    return all(inspector.has_table(table.name) for table in tables.sorted_tables)
-
-
 def in_workspace(table: Table, workspace: WorkspaceKey) -> ColumnElement[bool]:
     """The rows of ``table`` (keyed by ``tenant_id`` and ``workspace_id``) in ``workspace``."""
     return and_(
@@ -125,21 +105,20 @@ def in_workspace(table: Table, workspace: WorkspaceKey) -> ColumnElement[bool]:
 
 class SqlStore:
     """What relayr's own SQL stores share (this ledger, the followers'
-    :class:`relayr.follow.store.SqlFollowStore`): an engine of a supported dialect, their
-    ``tables`` created once, on first use (:func:`create_missing_tables`), one transaction per
-    call, and inserts in the engine's dialect (for its ``ON CONFLICT``).
+    :class:`relayr.follow.store.SqlFollowStore`): an engine of a supported dialect, relayr's
+    tables upgraded to head once, before the first call (:func:`relayr.migrations.upgrade`),
+    one transaction per call, and inserts in the engine's dialect (for its ``ON CONFLICT``).
 
     ``refusal`` starts the error for an engine of another dialect: ``the ledger stores``.
     """
 
-    def __init__(self, engine: AsyncEngine, tables: MetaData, *, refusal: str) -> None:
+    def __init__(self, engine: AsyncEngine, *, refusal: str) -> None:
         dialect = engine.dialect.name
         if dialect not in SUPPORTED_DIALECTS:
             raise ValueError(
                 f"{refusal} into {' or '.join(sorted(SUPPORTED_DIALECTS))}, not {dialect}"
             )
         self._engine = engine
-        self._tables = tables
         self._dialect = dialect
         self._migrated = False
         self._migrating = asyncio.Lock()
@@ -155,7 +134,7 @@ class SqlStore:
             return
         async with self._migrating:
             if not self._migrated:
-                await create_missing_tables(self._engine, self._tables)
+                await upgrade(self._engine)
                 self._migrated = True
 
     def _insert(self, table: Table) -> postgresql.Insert | sqlite.Insert:
@@ -168,11 +147,11 @@ class SqlLedger(SqlStore):
     """Causes and emission records in SQLite or PostgreSQL, one transaction per call.
 
     ``SqlLedger(engine)`` borrows an engine its caller disposes of; :meth:`from_url` builds and
-    owns one. Tables are created on first use; :meth:`open` creates them up front instead.
+    owns one. Its tables are upgraded on first use; :meth:`open` upgrades them up front instead.
     """
 
     def __init__(self, engine: AsyncEngine, *, owns_engine: bool = False) -> None:
-        super().__init__(engine, metadata, refusal="the ledger stores")
+        super().__init__(engine, refusal="the ledger stores")
         self._owns_engine = owns_engine
 
     @classmethod
@@ -193,7 +172,7 @@ class SqlLedger(SqlStore):
 
     @classmethod
     async def open(cls, engine: AsyncEngine, *, owns_engine: bool = False) -> Self:
-        """A ledger on ``engine`` whose tables exist before its first call."""
+        """A ledger on ``engine`` whose tables are at head before its first call."""
         ledger = cls(engine, owns_engine=owns_engine)
         await ledger._ensure_tables()
         return ledger

@@ -181,6 +181,8 @@ FAMILIES = [
     ["runs", "skip", "fir_1", "--reason", "r"],
     ["health"],
     ["console", "--port", "0"],
+    ["db", "upgrade"],
+    ["db", "current"],
 ]
 """A command of every family (``relayr demo`` runs on settings of its own, not the caller's)."""
 

@@ -51,7 +51,7 @@ def test_the_image_recipe_installs_and_runs(tmp_path: Path) -> None:
     ]
     pip_arguments = shlex.split(install.split("&&")[0])
     assert pip_arguments[:2] == ["pip", "install"]
-    assert pip_arguments[-1] in (".", ".[otel]")
+    assert pip_arguments[-1] in (".", ".[otel]", ".[otel,console]")
     environment = tmp_path / "venv"
     venv.create(environment, with_pip=True)
     python = environment / "bin" / "python"
@@ -65,7 +65,7 @@ def test_the_image_recipe_installs_and_runs(tmp_path: Path) -> None:
     assert entrypoint == ["relayr"]
     home = tmp_path / "home"
     home.mkdir()
-    for argv in (["--help"], ["worker", "--help"], ["dispatch", "--help"]):
+    for argv in (["--help"], ["worker", "--help"], ["dispatch", "--help"], ["console", "--help"]):
         done = subprocess.run(
             [str(environment / "bin" / entrypoint[0]), *argv],
             cwd=home,
