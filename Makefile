@@ -42,6 +42,9 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.targets
+	$(BIN)/python -m bench.latency
+	$(BIN)/python -m bench.fairness
+	$(BIN)/python -m bench.idle
 	$(BIN)/python -m bench.broker
 	$(BIN)/python -m bench.cli
 

@@ -14,8 +14,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Final, Literal
 
-from artifactr import Workspace as ArtifactWorkspace
-from artifactr.core import CreateThread, MessagePosted
+from artifactr.core import CreateThread
 from reflexr import SourceActor
 from reflexr.core import load_event
 
@@ -34,9 +33,10 @@ from bench.common import (
     note,
 )
 from bench.figures import Probe, count_outcomes, profile_summary, round_figures
+from bench.stamps import NoticeWatch
 from bench.workers import RelayrProcess, relayr_environment, start_worker
 from relayr.core.run_messages import RunMessage
-from relayr.demo import CLI_USER, DEPLOYS_PER_THREAD, RULE_AUTHOR_PREFIX
+from relayr.demo import CLI_USER, DEPLOYS_PER_THREAD
 from relayr.dispatch.dispatcher import Dispatcher, DispatchPass, Enqueue
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
@@ -45,10 +45,6 @@ from tasks.runs import send_runs
 type WorkerMode = Literal["prefork", "separate"]
 
 PUBLISHER: Final = SourceActor(name="relayr-bench")
-
-POLL_INTERVAL_S: Final = 1.0
-"""How often the benchmark reads the notices. On SQLite a read takes the write lock, so polling
-often slows what it measures; the figures come from the envelopes' ``ts``, not from polls."""
 
 DISPATCH_INTERVAL_S: Final = 0.5
 """The dispatcher's pass interval, as in the demo and the tests (the default is 1 s)."""
@@ -111,42 +107,6 @@ class CountingDispatcher(Dispatcher):
         self.passes += 1
         self.copies += done.again
         return done
-
-
-class NoticeWatch:
-    """Reads the workspaces' logs incrementally, keeping each rule notice's commit ``ts``."""
-
-    def __init__(self, handles: dict[str, ArtifactWorkspace]) -> None:
-        self._handles = handles
-        self._after = dict.fromkeys(handles, 0)
-        self.seen: dict[str, datetime] = {}
-        self.duplicates = 0
-
-    async def read(self) -> None:
-        for workspace, handle in self._handles.items():
-            for envelope in await handle.read(after_seq=self._after[workspace]):
-                self._after[workspace] = max(self._after[workspace], envelope.seq)
-                posted = envelope.event
-                if not isinstance(posted, MessagePosted) or posted.kind != "notice":
-                    continue
-                if not envelope.actor.participant.startswith(RULE_AUTHOR_PREFIX):
-                    continue
-                service = posted.content.split()[2]  # "deploy of <service> finished: ..."
-                if service in self.seen:
-                    self.duplicates += 1
-                else:
-                    self.seen[service] = envelope.ts
-
-    async def until(self, services: set[str], timeout_s: float) -> bool:
-        """Read until every service's notice is in; False if the time ran out first."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            await self.read()
-            if services <= self.seen.keys():
-                return True
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(POLL_INTERVAL_S)
 
 
 def workspace_names(count: int) -> list[str]:

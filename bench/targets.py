@@ -26,7 +26,6 @@ the embedded SQLite, which they name.
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 from bench import floor
@@ -40,6 +39,7 @@ from bench.common import (
     quiet_logging,
     storage_available,
 )
+from bench.verdicts import Target, divided
 
 DEFAULT_DISPATCH_INTERVAL_S: Final = 1.0
 """``RELAYR_DISPATCH_INTERVAL_S``'s default, for the case that must run on default settings."""
@@ -83,29 +83,6 @@ def all_counted(transactions: Mapping[str, Any]) -> float | None:
     if with_publish is None or dispatch is None:
         return None
     return round(with_publish + dispatch, 2)
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    limit: float
-    figure: float | None
-    higher_is_better: bool = False
-
-    def line(self, size: str) -> dict[str, Any]:
-        if self.figure is None:
-            verdict = "not measured"
-        elif self.higher_is_better:
-            verdict = "met" if self.figure >= self.limit else "missed"
-        else:
-            verdict = "met" if self.figure <= self.limit else "missed"
-        return {
-            "bench": "verdict",
-            "target": self.name,
-            "limit": self.limit,
-            "figure": self.figure,
-            "verdict": verdict + ("" if size == "full" else f" ({size} run: not judged)"),
-        }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -185,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         scope, none = (figures[f"{storage}-{o}"]["ms_per_run"] for o in ("scope", "none"))
         targets.append(
-            Target(f"{storage}: scope / none per run", SCOPE_OVER_NONE, _divided(scope, none))
+            Target(f"{storage}: scope / none per run", SCOPE_OVER_NONE, divided(scope, none))
         )
     burst, first = figures[f"sqlite-n{big}"], figures[f"sqlite-n{small}"]
     targets += [
@@ -193,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         Target(
             f"sqlite: per run, N={big} / N={small}",
             BIG_OVER_SMALL,
-            _divided(burst["ms_per_run"], first["ms_per_run"]),
+            divided(burst["ms_per_run"], first["ms_per_run"]),
         ),
         Target(
             f"sqlite: pool peak RSS, N={big} / N={small}",
@@ -207,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             Target(
                 "postgres, 8 workspaces: throughput of 2 worker processes / 1",
                 TWO_OVER_ONE,
-                _divided(one, two),
+                divided(one, two),
                 higher_is_better=True,
             )
         )
@@ -225,13 +202,7 @@ def _duplicates(figures: dict[str, Any]) -> int:
 def _peak(later: dict[str, Any], earlier: dict[str, Any]) -> float | None:
     """The highest pool process peak RSS of ``later`` over that of ``earlier``."""
     highest = [max(f["rss_kib"][pid]["VmHWM"] for pid in f["rss_kib"]) for f in (later, earlier)]
-    return _divided(highest[0], highest[1])
-
-
-def _divided(top: float | None, bottom: float | None) -> float | None:
-    if top is None or not bottom:
-        return None
-    return round(top / bottom, 2)
+    return divided(highest[0], highest[1])
 
 
 if __name__ == "__main__":

@@ -139,6 +139,10 @@ class Settings(BaseSettings):
             before its run is failed (``worker_lost``) instead.
         turn_grace_s: How long a stopping worker lets the agent turns it started finish.
         dispatch_interval_s: How long the dispatcher waits between passes.
+        broker_poll_interval_s: How long an idle worker of the embedded broker goes at most
+            without looking at its queue (``RELAYR_BROKER_POLL_INTERVAL_S``). It is woken the
+            moment a message lands (inotify), so this bounds only what a missed notification
+            costs, or, where inotify is unavailable, how long a new message waits.
         requeue_after_s: How long a run the dispatcher enqueued may stay due before it is
             enqueued again, as a message the broker lost. Make it longer than a message
             usually waits in the queue: a duplicate is harmless but costs a claim.
@@ -171,6 +175,7 @@ class Settings(BaseSettings):
     max_redeliveries: Annotated[int, Field(ge=0)] = 3
     turn_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 30.0
     dispatch_interval_s: _Seconds = 1.0
+    broker_poll_interval_s: _Seconds = 0.05
     requeue_after_s: _Seconds = 60.0
     otel: bool | None = None
     otel_endpoint: Annotated[str, AfterValidator(_endpoint)] = ""
@@ -285,12 +290,16 @@ class Settings(BaseSettings):
         """Celery's ``broker_transport_options`` for this broker.
 
         For Redis, the visibility timeout. For the embedded broker, its folder (the transport
-        makes its layout there when it first connects; :mod:`relayr.broker.layout`).
+        makes its layout there when it first connects; :mod:`relayr.broker.layout`) and its
+        polling interval.
         """
         if self.broker_url.startswith(("redis://", "rediss://")):
             return {"visibility_timeout": self.visibility_timeout_s}
         if self.broker_url.startswith("filesystem://"):
-            return {"folder": str(self.broker_folder)}
+            return {
+                "folder": str(self.broker_folder),
+                "polling_interval": self.broker_poll_interval_s,
+            }
         return {}
 
 

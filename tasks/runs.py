@@ -8,8 +8,9 @@ redelivered because its worker died is split into one-run messages, and a one-ru
 ``max_redeliveries`` fails its run ``worker_lost`` (ADR-0011).
 """
 
+import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -22,10 +23,11 @@ from pydantic_core import ErrorDetails
 from relayr.core import reasons
 from relayr.core.errors import InvalidTask
 from relayr.core.run_messages import MAX_BATCH_RUNS, MAX_ID_LENGTH, RunMessage
-from relayr.execution import executor
+from relayr.execution import executor, limiting
 from relayr.execution.executor import Executed
 from relayr.observe import hooks
 from relayr.observe.hooks import MessageRedelivered, RunsEnqueued
+from relayr.runtime.process import Runtime
 from tasks.worker import process
 
 logger = structlog.get_logger("relayr.tasks")
@@ -54,6 +56,7 @@ RUN_OUTCOME_LINES: Final[Mapping[str, tuple[int, str]]] = {
     "dropped": (logging.WARNING, "attempt no longer current: its outcome was dropped"),
     "interrupted": (logging.WARNING, "attempt interrupted"),
     "abandoned": (logging.WARNING, "an abandoned attempt was recorded as failed"),
+    "limited": (logging.INFO, "run waits: a limit holds it back"),
 }
 """What each of :class:`relayr.execution.executor.Executed`'s outcomes means, at what level."""
 
@@ -208,9 +211,13 @@ def _execute(self: Any, batch: RunMessage) -> list[str]:
             if request.retries > settings.max_redeliveries:
                 results = [_fail_lost(batch, request.retries + 1, settings.max_redeliveries)]
             else:
+                runtime = process.runtime()
+                if runtime.requeue is None:
+                    runtime.requeue = _requeuer(self.app, settings.queue)
+                    process.call(_watching(runtime))
                 results = process.call(
                     executor.execute_runs(
-                        process.runtime(), batch.tenant_id, batch.workspace_id, batch.run_ids
+                        runtime, batch.tenant_id, batch.workspace_id, batch.run_ids
                     )
                 )
         except SoftTimeLimitExceeded:
@@ -226,6 +233,19 @@ def _execute(self: Any, batch: RunMessage) -> list[str]:
         for executed in results:
             log_outcome(executed)
         return [executed.outcome for executed in results]
+
+
+def _requeuer(app: Any, queue: str) -> Callable[[RunMessage], Awaitable[None]]:
+    """Queues runs from the worker's loop: the runs a limit frees go at once."""
+
+    async def requeue(batch: RunMessage) -> None:
+        await asyncio.to_thread(send_runs, app, queue, batch)
+
+    return requeue
+
+
+async def _watching(runtime: Runtime) -> None:
+    limiting.watch_reloads(runtime)
 
 
 def _fail_lost(batch: RunMessage, delivery: int, max_redeliveries: int) -> Executed:

@@ -19,7 +19,10 @@ the tests' own runtimes:
 - ``loop:count`` (on ``followtest:counted``) sets a ``follow_counter``'s ``count`` to 1, and
   ``loop:recount`` (on ``artifactr:artifact_changed`` by a ``loop:`` rule) sets it to the
   version it saw, directly: rules that edit one artifact in a loop, which the depth limit stops
-  after :data:`MAX_DEPTH` edits (:data:`RECOUNT_CAP` bounds a loop that escaped it).
+  after :data:`MAX_DEPTH` edits (:data:`RECOUNT_CAP` bounds a loop that escaped it);
+- ``converse:again`` (on ``artifactr:message_posted`` by ``agent:*`` answering ``again``) sends
+  "question: again": a rule and the agent answering each other, turn after turn, which the
+  depth limit stops after :data:`MAX_DEPTH` sends in all (with ``follow:ask``'s first).
 
 When ``RELAYR_HOME`` holds :data:`GATE_ARMED`, the first batch a follower publishes waits after
 its publish, before its cursor moves: it removes the file, writes :data:`GATE_HELD` (its pid)
@@ -71,6 +74,9 @@ ALLOWLIST: Final = """
 threads = "chain"
 
 [rules."follow:ask"]
+turns = true
+
+[rules."converse:again"]
 turns = true
 
 [rules."edit:note"]
@@ -170,13 +176,25 @@ RECOUNT = answering(
     "recount",
 )
 
-RULES: Final = (ASK, ANSWERED, TURN_ENDED, LOOP_START, ECHO, NOTE, COUNT, RECOUNT)
+AGAIN = answering(
+    "converse:again",
+    on(MessagePosted).where(
+        F.author.matches(r"^agent:"), F.kind.eq("message"), F.content.eq("answer: again")
+    ),
+    "ask_again",
+)
+
+RULES: Final = (ASK, ANSWERED, TURN_ENDED, LOOP_START, ECHO, NOTE, COUNT, RECOUNT, AGAIN)
 
 
 async def ask(reaction: Reaction[Any]) -> dict[str, str]:
     event = reaction.events[-1].event
     assert isinstance(event, Asked)
     return {"message_id": await acting(reaction).send(f"question: {event.text}")}
+
+
+async def ask_again(reaction: Reaction[Any]) -> dict[str, str]:
+    return {"message_id": await acting(reaction).send("question: again")}
 
 
 async def answered(reaction: Reaction[Any]) -> dict[str, str]:
@@ -218,6 +236,7 @@ async def recount(reaction: Reaction[Any]) -> dict[str, str | None]:
 
 ACTIONS: Final = {
     "ask": ask,
+    "ask_again": ask_again,
     "answered": answered,
     "turn_ended": turn_ended,
     "echo": echo,

@@ -6,6 +6,9 @@
 - ``ops:crash-send`` sends a message as ``RunActions.send`` would, but until ``fixed`` exists
   it commits the message and kills its own pool process before asking for the turn: the crash
   window of ADR-0026, made real.
+- ``ops:send-then-die`` sends its message with ``RunActions.send`` (the real ``Runner.send``),
+  then kills its own pool process, on every attempt: the send is in artifactr, and its run
+  never completes.
 """
 
 import os
@@ -45,6 +48,10 @@ class BackupLost(OpsTestEvent, name="lost"):
     thread_id: str
 
 
+class DiskFull(OpsTestEvent, name="disk_full"):
+    thread_id: str
+
+
 def _fixed(reaction: Reaction[Any]) -> bool:
     home: Path = reaction.deps.app
     return (home / FIXED).exists()
@@ -74,6 +81,14 @@ async def crash_send(reaction: Reaction[Any]) -> None:
     await actions.send(CRASH_CONTENT)
 
 
+DIE_CONTENT = "Triage incident: the disk of db-2 is full"
+
+
+async def send_then_die(reaction: Reaction[Any]) -> None:
+    await acting(reaction).send(DIE_CONTENT)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 RULES = [
     Rule(
         name="ops:backup-check",
@@ -91,6 +106,14 @@ RULES = [
         start="beginning",
         retry=RetryPolicy(max_attempts=2, backoff=timedelta(milliseconds=200)),
     ),
+    Rule(
+        name="ops:send-then-die",
+        when=on(DiskFull),
+        then=run("send_then_die"),
+        ordering="none",
+        start="beginning",
+        retry=RetryPolicy(max_attempts=2, backoff=timedelta(milliseconds=200)),
+    ),
 ]
 
 
@@ -98,8 +121,12 @@ async def create_ops_app(settings: Settings) -> Application:
     storage = await open_storage(settings)
     return Application(
         artifacts=ArtifactWorkspaces(storage.artifacts, types=[TriageNote]),
-        rules=RuleWorkspaces(storage.rules, events=[BackupDue, BackupLost], rules=RULES),
-        actions={"backup_check": backup_check, "crash_send": crash_send},
+        rules=RuleWorkspaces(storage.rules, events=[BackupDue, BackupLost, DiskFull], rules=RULES),
+        actions={
+            "backup_check": backup_check,
+            "crash_send": crash_send,
+            "send_then_die": send_then_die,
+        },
         agent=triage_agent(0.0),
         app_deps=settings.home.resolve(),
         engines=storage.engines,

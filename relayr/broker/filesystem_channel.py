@@ -237,7 +237,15 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
         else:
             self._no_ack.discard(queue)
         self._holder_here()
-        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        consumed = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.wake()  # the queue may hold messages already: no notification says so
+        return consumed
+
+    def basic_qos(self, *args: Any, **kwargs: Any) -> Any:
+        """kombu's, and a wake: a higher prefetch limit may let the consumer take more now."""
+        result = super().basic_qos(*args, **kwargs)
+        self.wake()
+        return result
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
@@ -334,9 +342,9 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
             target = source
         log_set_aside(str(target), queue, problem)
 
-    def recover(self) -> None:
+    def recover(self) -> int:
         """Give dead consumers' messages back to their queues (see
-        :mod:`relayr.broker.filesystem`).
+        :mod:`relayr.broker.filesystem`); how many moved.
 
         A filesystem error here is logged, not raised: the next look tries again, and the
         consumer goes on with its own messages meanwhile.
@@ -347,11 +355,12 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
             logger.warning(
                 "looking for dead consumers failed", root=str(self.root), error=str(error)
             )
-            return
+            return 0
         if moved:
             for channel in list(self.connection.channels if self.connection else ()):
                 if isinstance(channel, Channel):
                     channel._candidates.clear()
+        return moved
 
     def wake(self) -> None:
         """Wake the transport's wait: a settled message may let this consumer take another."""

@@ -21,6 +21,7 @@ COMMANDS: Final = {
     "dispatch": "relayr.cli.serve:dispatch",
     "follow": "relayr.cli.follow:follow",
     "health": "relayr.cli.health:health",
+    "limits": "relayr.cli.limits:limits",
     "publish": "relayr.cli.publish:publish",
     "run": "relayr.cli.serve:run",
     "runs": "relayr.cli.runs:runs",

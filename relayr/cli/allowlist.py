@@ -54,7 +54,7 @@ def allowlist_check(file: Path | None, as_json: bool) -> None:
     found = warnings(allowlists, rule_names(settings))
     summary = (
         f"{path}: ok, {len(allowlists.rules)} rule entr(ies), "
-        f"{len(allowlists.namespaces)} namespace entr(ies), "
+        f"{len(allowlists.namespaces)} namespace entr(ies), {len(allowlists.limits)} limit(s), "
         f"default {'set' if allowlists.default else 'not set'}; {len(found)} warning(s)"
     )
     if as_json:
@@ -70,7 +70,7 @@ def allowlist_check(file: Path | None, as_json: bool) -> None:
 @click.option("--file", type=click.Path(path_type=Path), help="Default: RELAYR_ALLOWLIST.")
 @click.option("--json", "as_json", is_flag=True, help="Print the grant as one JSON object.")
 def allowlist_explain(rule: str, file: Path | None, as_json: bool) -> None:
-    """Say what RULE may do, and which entry gave each permission."""
+    """Say what RULE may do, which entry gave each permission, and which limits bind it."""
     from relayr.core.errors import InvalidAllowlist
     from relayr.runtime.allowlist_file import load_allowlist
 
@@ -88,6 +88,13 @@ def allowlist_explain(rule: str, file: Path | None, as_json: bool) -> None:
         source = data["fields"][name]
         given = source["kind"] if source["key"] is None else f"{source['kind']} {source['key']}"
         click.echo(f"  {name:15} = {json.dumps(value):20} from {given}")
+    if not grant.limits:
+        click.echo("  limits: none")
+    for limit in grant.limits:
+        line = "" if limit.line is None else f" (line {limit.line})"
+        where = ", ".join(limit.workspaces)
+        bounds = ", ".join(f"{kind} = {value}" for kind, value in limit.bounds())
+        click.echo(f"  limit {limit.key}{line} in {where}: {bounds}")
 
 
 def rule_names(settings: "Settings") -> list[str]:

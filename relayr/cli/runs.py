@@ -135,18 +135,23 @@ def runs_list(
     as_json: bool,
 ) -> None:
     """Runs, newest created first: id, rule, status, attempts, last reason and error, next
-    attempt. --since reads every run and keeps those that changed within it, so a run created
-    long ago that died just now is found."""
+    attempt, and for a run an operator's limit holds back, the limit and when it expects to go.
+    --since reads every run and keeps those that changed within it, so a run created long ago
+    that died just now is found."""
     where = parse_optional_workspace(workspace)
     age = None if since is None else parse_duration(since)
     settings = load_settings()
 
-    async def work(rules: "Workspaces") -> list["RunRow"]:
+    async def work() -> list["RunRow"]:
+        from relayr.ops.limits import with_waits
         from relayr.ops.rows import list_runs
+        from relayr.runtime.application_parts import opened_limits
 
-        return await list_runs(rules, _filter(rules, status, rule, where, age, limit))
+        async with opened_limits(settings) as (rules, store):
+            rows = await list_runs(rules, _filter(rules, status, rule, where, age, limit))
+            return await with_waits(rows, store)
 
-    rows = on_rules(settings, work)
+    rows = run_async(work())
     if as_json:
         echo_json([row.to_json() for row in rows])
         return
@@ -156,6 +161,7 @@ def runs_list(
             f"reason={row.reason or '-'} next={row.next_attempt_at:%Y-%m-%dT%H:%M:%S} "
             f"{row.tenant_id}/{row.workspace_id}"
             + (f"\n    error: {row.error}" if row.error else "")
+            + (f"\n    {row.waiting}" if row.waiting else "")
         )
     click.echo(f"{len(rows)} run(s)")
 

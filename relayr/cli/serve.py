@@ -162,10 +162,10 @@ async def serve_dispatcher(
             touch_heartbeat(heartbeat)
             return done
 
+    enqueue = batch_enqueuer(runtime.settings)
+    runtime.requeue = enqueue  # runs a turn's end lets go (its limits) are queued at once
     try:
-        await BeatingDispatcher(runtime, follow=follow).serve(
-            batch_enqueuer(runtime.settings), stop
-        )
+        await BeatingDispatcher(runtime, follow=follow).serve(enqueue, stop)
     finally:
         heartbeat.unlink(missing_ok=True)
 

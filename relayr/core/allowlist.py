@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, StrictBool
 
 from relayr.core.errors import Problem
+from relayr.core.limits import Limit, limits_for
 
 type ThreadScope = Literal["chain", "any"]
 type EntryKind = Literal["rule", "namespace", "default"]
@@ -111,6 +112,8 @@ class Grant:
     entry: GrantSource
     fields: Mapping[str, GrantSource]
     source: str
+    limits: tuple[Limit, ...] = ()
+    """The limits whose rule patterns match the rule, whatever their workspaces."""
 
     def to_json(self) -> dict[str, Any]:
         """What ``relayr allowlist explain --json`` prints."""
@@ -123,6 +126,7 @@ class Grant:
             "fields": {
                 field: {"value": values[field], **self.fields[field].to_json()} for field in FIELDS
             },
+            "limits": [limit.to_json() for limit in self.limits],
         }
 
 
@@ -134,6 +138,8 @@ class Allowlists:
     namespaces: Mapping[str, Entry]
     default: Entry | None
     source: str
+    limits: tuple[Limit, ...] = ()
+    """The ``[limits.NAME]`` entries, in file order (:mod:`relayr.core.limits`)."""
 
     @classmethod
     def empty(cls, source: str = "<empty>") -> "Allowlists":
@@ -161,16 +167,22 @@ class Allowlists:
         entry = self.entry_for(rule)
         return entry.allowlist() if entry is not None else MOST_RESTRICTIVE
 
+    def limits_for(self, rule: str, tenant_id: str, workspace_id: str) -> list[Limit]:
+        """The limits that bind a run of ``rule`` in the workspace, in file order."""
+        return limits_for(self.limits, rule, tenant_id, workspace_id)
+
     def explain(self, rule: str) -> Grant:
-        """The effective permissions of ``rule`` and which entry gave each field."""
+        """The effective permissions of ``rule``, which entry gave each field, and the limits
+        that may bind its runs (those whose rule patterns match it)."""
         entry = self.entry_for(rule)
+        bound = tuple(limit for limit in self.limits if limit.matches_rule(rule))
         if entry is None:
             return Grant(
-                rule, MOST_RESTRICTIVE, BUILTIN, dict.fromkeys(FIELDS, BUILTIN), self.source
+                rule, MOST_RESTRICTIVE, BUILTIN, dict.fromkeys(FIELDS, BUILTIN), self.source, bound
             )
         chosen = GrantSource(entry.kind, entry.key)
         fields = {field: chosen if entry.sets(field) else BUILTIN for field in FIELDS}
-        return Grant(rule, entry.allowlist(), chosen, MappingProxyType(fields), self.source)
+        return Grant(rule, entry.allowlist(), chosen, MappingProxyType(fields), self.source, bound)
 
 
 def warnings(allowlists: Allowlists, rule_names: Iterable[str]) -> list[Problem]:

@@ -23,6 +23,15 @@ from relayr.core.allowlist import (
     ThreadScope,
 )
 from relayr.core.errors import InvalidAllowlist, Problem
+from relayr.core.limits import (
+    IN_FLIGHT_KINDS,
+    LIMIT_KINDS,
+    WINDOW_KINDS,
+    Limit,
+    Rate,
+    parse_rate,
+    pattern_problem,
+)
 
 # reflexr's own patterns (reflexr.core.rules, reflexr.core.events), matched whole with fullmatch.
 _RULE_NAME = re.compile(r"[a-z][a-z0-9_]*:[a-z0-9][a-z0-9._-]*")
@@ -30,8 +39,14 @@ _NAMESPACE = re.compile(r"[a-z][a-z0-9_]*")
 _ARTIFACT_KIND = re.compile(r"[a-z][a-z0-9_]*")
 _NAMESPACE_WILDCARD = re.compile(r"([a-z][a-z0-9_]*):\*?")
 
-_TABLES = ("default", "rules", "namespaces")
-_SHAPE = 'an allowlist has [default], [rules."namespace:name"] and [namespaces.namespace] only'
+_LIMIT_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")
+_LIMIT_KEYS = ("rules", "workspaces", *LIMIT_KINDS)
+
+_TABLES = ("default", "rules", "namespaces", "limits")
+_SHAPE = (
+    'an allowlist has [default], [rules."namespace:name"], [namespaces.namespace] '
+    "and [limits.name] only"
+)
 FILE_KEY = "<file>"
 """The key of a problem with the file as a whole (unreadable, not UTF-8)."""
 _TOO_DEEP = "invalid toml: values nested too deeply to read"
@@ -250,6 +265,7 @@ class _Validator:
         rules: dict[str, Entry] = {}
         namespaces: dict[str, Entry] = {}
         default: Entry | None = None
+        limits: list[Limit] = []
         for name, value in data.items():
             if name == "default":
                 default = self.entry("default", ("default",), value)
@@ -257,6 +273,10 @@ class _Validator:
                 rules = self.rules(value)
             elif name == "namespaces":
                 namespaces = self.namespaces(value)
+            elif name == "limits":
+                limits = self.limits(value)
+            elif name in LIMIT_KINDS:
+                self.problem((name,), "a limit belongs in a [limits.name] entry")
             elif name in FIELDS:
                 self.problem((name,), f"a permission belongs in an entry; {_SHAPE}")
             else:
@@ -271,7 +291,99 @@ class _Validator:
             namespaces=MappingProxyType(namespaces),
             default=default,
             source=self.source,
+            limits=tuple(limits),
         )
+
+    def limits(self, value: object) -> list[Limit]:
+        if not isinstance(value, dict):
+            self.problem(
+                ("limits",),
+                f"must be a table of entries such as [limits.triage], not {_describe(value)}",
+            )
+            return []
+        found: list[Limit] = []
+        for name, body in value.items():
+            path = ("limits", name)
+            if _LIMIT_NAME.fullmatch(name) is None:
+                self.problem(
+                    path,
+                    "malformed limit name; a name is lower case letters, digits, _, . and -, "
+                    "starting with a letter or digit",
+                )
+                continue
+            limit = self.limit(path, name, body)
+            if limit is not None:
+                found.append(limit)
+        return found
+
+    def limit(self, path: _Path, name: str, body: object) -> Limit | None:
+        if not isinstance(body, dict):
+            self.problem(path, f"a limit must be a table, not {_describe(body)}")
+            return None
+        before = len(self.problems)
+        rules = self.patterns((*path, "rules"), body.get("rules"), workspace=False)
+        workspaces: tuple[str, ...] | None = ("*/*",)
+        if "workspaces" in body:
+            workspaces = self.patterns((*path, "workspaces"), body["workspaces"], workspace=True)
+        if "rules" not in body:
+            self.problem(path, 'a limit names the rules it binds: rules = ["ops:triage"]')
+        bounds: dict[str, int | Rate] = {}
+        for key, item in body.items():
+            key_path_ = (*path, key)
+            if key in IN_FLIGHT_KINDS:
+                if isinstance(item, int) and not isinstance(item, bool) and item >= 1:
+                    bounds[key] = item
+                else:
+                    self.problem(
+                        key_path_, f"must be a whole number of at least 1, not {_describe(item)}"
+                    )
+            elif key in WINDOW_KINDS:
+                if not isinstance(item, str):
+                    self.problem(
+                        key_path_, f'must be a string such as "20/1m", not {_describe(item)}'
+                    )
+                    continue
+                try:
+                    bounds[key] = parse_rate(item)
+                except ValueError as error:
+                    self.problem(key_path_, str(error))
+            elif key not in ("rules", "workspaces"):
+                expected = ", ".join(_LIMIT_KEYS)
+                self.problem(
+                    key_path_,
+                    f"unknown key{_suggest(key, _LIMIT_KEYS)}; a limit may set {expected}",
+                )
+        if not bounds and len(self.problems) == before:
+            self.problem(path, f"a limit sets at least one of {', '.join(LIMIT_KINDS)}")
+        if len(self.problems) != before or rules is None or workspaces is None:
+            return None
+        return Limit(
+            name=name,
+            rules=rules,
+            workspaces=workspaces,
+            line=self.layout.line(path),
+            **bounds,  # type: ignore[arg-type]  # each kind's value was checked above
+        )
+
+    def patterns(self, path: _Path, value: object, *, workspace: bool) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        items = [value] if isinstance(value, str) else value
+        example = '["acme/*"]' if workspace else '["ops:triage", "ops:*"]'
+        if not isinstance(items, list) or not items:
+            self.problem(path, f"must be a pattern or an array of them, such as {example}")
+            return None
+        fine = True
+        for item in items:
+            problem = (
+                pattern_problem(item, workspace=workspace)
+                if isinstance(item, str)
+                else f"must be a string, not {_describe(item)}"
+            )
+            if problem is not None:
+                self.problem(path, problem)
+                fine = False
+        return tuple(items) if fine else None
 
     def rules(self, value: object) -> dict[str, Entry]:
         if not isinstance(value, dict):

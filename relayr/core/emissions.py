@@ -1,9 +1,11 @@
 """Emission records: one durable, validated record of each notice or send a run made.
 
 A record says what was emitted, by which rule and run, where, by which route and with which
-outcome, as artifactr holds it (ADR-0062). It is validated when written and when read; a bad one
-is refused with a code from :data:`CODES`. Its JSON Schema is ``docs/emission-record.schema.json``
-(:func:`json_schema`). Pure.
+outcome. Its ``kind`` is what artifactr holds (ADR-0062); its ``policy`` is the route the
+allowlist decided for this attempt, which differs from the kind's only for an earlier attempt's
+write (``already_posted``, ADR-0101). It is validated when written and when read; a bad one is
+refused with a code from :data:`CODES` (ADR-0105). Its JSON Schema is
+``docs/emission-record.schema.json`` (:func:`json_schema`). Pure.
 """
 
 import json
@@ -41,7 +43,11 @@ POLICY_OF_KIND: Final[Mapping[EmissionKind, EmissionPolicy]] = {
     "notice": "notice",
     "message": "turn",
 }
-"""Which route each kind takes: a notice is posted as one, a message is a send."""
+"""Which route writes each kind: a notice is posted as one, a message is a send. A record of
+another route found the write an earlier attempt made: its outcome is ``already_posted``."""
+
+OTHER_ROUTE_OUTCOME: Final = "already_posted"
+"""The only outcome of a route that did not write what artifactr holds under its id."""
 
 OUTCOMES_OF_KIND: Final[Mapping[str, frozenset[str]]] = {
     "notice": frozenset({"posted", "already_posted"}),
@@ -54,6 +60,10 @@ CODES: Final = (
     "MISSING_FIELD",
     "INVALID_SCHEMA_VERSION",
     "INVALID_FIELD",
+    "INVALID_SENDER",
+    "INVALID_CONTEXT",
+    "INVALID_ORIGIN",
+    "INVALID_PATH",
     "INVALID_KIND",
     "INVALID_POLICY",
     "INVALID_OUTCOME",
@@ -62,10 +72,22 @@ CODES: Final = (
     "INVALID_JSON",
 )
 """Every named rejection of a record, in the order they are looked for: a record wrong in two
-ways is refused with the first."""
+ways is refused with the first. Each names what a reader of the record needs (ADR-0105):
+``INVALID_SENDER`` the rule that emitted (``rule``), ``INVALID_CONTEXT`` the run it emitted in
+(``run_id``, ``attempt``, ``epoch``, ``tenant_id``, ``workspace_id``: an attempt is never past
+its epoch), ``INVALID_ORIGIN`` the thread it went to (``thread_id``), ``INVALID_PATH`` where it
+is found (``message_id``). ``INVALID_FIELD`` is what no other code names."""
 
 _CODE_OF_FIELD: Final = {
     "schema_version": "INVALID_SCHEMA_VERSION",
+    "rule": "INVALID_SENDER",
+    "run_id": "INVALID_CONTEXT",
+    "attempt": "INVALID_CONTEXT",
+    "epoch": "INVALID_CONTEXT",
+    "tenant_id": "INVALID_CONTEXT",
+    "workspace_id": "INVALID_CONTEXT",
+    "thread_id": "INVALID_ORIGIN",
+    "message_id": "INVALID_PATH",
     "kind": "INVALID_KIND",
     "policy": "INVALID_POLICY",
     "outcome": "INVALID_OUTCOME",
@@ -105,6 +127,8 @@ def _content(value: object) -> str:
 
 
 _Id = Annotated[StrictStr, Field(min_length=1)]
+_Name = Annotated[StrictStr, Field(min_length=1, pattern=r"^\S+$")]
+"""An id or a rule's name: no storage or participant holds one with a space."""
 _Count = Annotated[StrictInt, Field(ge=1)]
 _Timestamp = Annotated[
     datetime,
@@ -122,19 +146,31 @@ _Content = Annotated[
 
 
 def _kind_rules() -> list[JsonValue]:
-    """The JSON Schema's form of :data:`POLICY_OF_KIND` and :data:`OUTCOMES_OF_KIND`."""
-    return [
+    """The JSON Schema's form of :data:`OUTCOMES_OF_KIND` and :data:`POLICY_OF_KIND`."""
+    outcomes: list[JsonValue] = [
         {
             "if": {"properties": {"kind": {"const": kind}}},
             "then": {
                 "properties": {
-                    "policy": {"const": POLICY_OF_KIND[kind]},
                     "outcome": {"enum": list[JsonValue](sorted(OUTCOMES_OF_KIND[kind]))},
                 }
             },
         }
         for kind in sorted(EMISSION_KINDS)
     ]
+    other_routes: list[JsonValue] = [
+        {
+            "if": {
+                "properties": {"kind": {"const": kind}, "policy": {"const": policy}},
+                "required": ["kind", "policy"],
+            },
+            "then": {"properties": {"outcome": {"const": OTHER_ROUTE_OUTCOME}}},
+        }
+        for kind in sorted(EMISSION_KINDS)
+        for policy in sorted(EMISSION_POLICIES)
+        if POLICY_OF_KIND[kind] != policy
+    ]
+    return outcomes + other_routes
 
 
 class EmissionRecord(BaseModel):
@@ -152,14 +188,14 @@ class EmissionRecord(BaseModel):
     )
 
     kind: EmissionKind
-    rule: _Id
+    rule: _Name
     run_id: _Id
     attempt: _Count
     epoch: _Count
     tenant_id: _Id
     workspace_id: _Id
-    thread_id: _Id
-    message_id: _Id
+    thread_id: _Name
+    message_id: _Name
     policy: EmissionPolicy
     outcome: EmissionOutcome
     content: _Content
@@ -174,9 +210,17 @@ class EmissionRecord(BaseModel):
             record = handler(data)
         except ValidationError as invalid:
             raise _named_error(invalid, data) from None
-        if POLICY_OF_KIND[record.kind] != record.policy:
+        if record.attempt > record.epoch:
             raise InvalidEmission(
-                "INVALID_POLICY", f"a {record.kind} cannot have policy {record.policy!r}"
+                "INVALID_CONTEXT",
+                f"attempt {record.attempt} is past epoch {record.epoch}: an attempt counts "
+                "from 1 again after an operator's retry, an epoch never goes back",
+            )
+        if POLICY_OF_KIND[record.kind] != record.policy and record.outcome != OTHER_ROUTE_OUTCOME:
+            raise InvalidEmission(
+                "INVALID_POLICY",
+                f"policy {record.policy!r} does not write a {record.kind}: only an earlier "
+                f"attempt's {record.kind} can be found by it ({OTHER_ROUTE_OUTCOME})",
             )
         if record.outcome not in OUTCOMES_OF_KIND[record.kind]:
             raise InvalidEmission(
@@ -242,6 +286,8 @@ def _message(error: ErrorDetails, data: Any) -> str:
         return f"{field} {given!r} is not one of {sorted(_CHOICES[field])}"
     if field in ("attempt", "epoch"):
         return f"{field} must be a positive integer, not {given!r}"
+    if field in ("rule", "thread_id", "message_id"):
+        return f"{field} must be a non-empty string without spaces, not {given!r}"
     return f"{field} must be a non-empty string"
 
 

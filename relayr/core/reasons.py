@@ -72,6 +72,19 @@ STORAGE_UNAVAILABLE: Final = "storage_unavailable"
 """The storage kept failing past relayr's own bounded retries (:mod:`relayr.runtime.transient`): the
 database is down, locked or unreachable. Retried by the rule's policy."""
 
+REJECTED: Final = "rejected"
+"""artifactr refused the write with a code relayr names no reason for (its base ``rejected``,
+a protocol it does not support, or one a later release adds); the message keeps artifactr's
+code. Permanent."""
+
+INVALID_EMISSION: Final = "invalid_emission"
+"""The emission record of a post does not validate (its named code in the message), checked
+before anything is written. Permanent."""
+
+IO_ERROR: Final = "io_error"
+"""The emission record of a write artifactr holds could not be written to the ledger past
+relayr's own bounded retries. Retried: the retry finds the write and records it."""
+
 # -- an attempt, as the executor ends it -----------------------------------------------------
 
 TIMEOUT: Final = "timeout"
@@ -116,6 +129,9 @@ WRITE_REFUSALS: Final = frozenset(
         FORBIDDEN,
         INVALID_STATE,
         STORAGE_UNAVAILABLE,
+        REJECTED,
+        INVALID_EMISSION,
+        IO_ERROR,
     }
 )
 """Every reason a rule's write can be refused with."""

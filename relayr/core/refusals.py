@@ -32,6 +32,7 @@ RETRIED: Final = frozenset(
         reasons.THREAD_BUSY,
         reasons.VERSION_CONFLICT,
         reasons.STORAGE_UNAVAILABLE,
+        reasons.IO_ERROR,
     }
 )
 """The refusals a later attempt may not meet: the data or its source may be fixed, an artifact
@@ -40,7 +41,9 @@ other refusal is permanent."""
 
 
 def classify(code: str, message: str, *, doing: str, entity: str | None = None) -> Refusal:
-    """The refusal of a write artifactr refused with ``code`` while ``doing`` it.
+    """The refusal of a write artifactr refused with ``code`` while ``doing`` it: always one of
+    :data:`relayr.core.reasons.WRITE_REFUSALS` (a code relayr names no reason for is
+    ``rejected``, with the code in the message).
 
     Args:
         code: artifactr's ``Rejection.code`` (``thread_busy`` for its ``ThreadBusy``, which
@@ -52,6 +55,8 @@ def classify(code: str, message: str, *, doing: str, entity: str | None = None) 
     reason = code
     if code == reasons.NOT_FOUND and entity == "thread":
         reason = reasons.THREAD_NOT_FOUND
+    if reason not in reasons.WRITE_REFUSALS:
+        reason, message = reasons.REJECTED, f"{message} (artifactr's code {code})"
     return Refusal(reason, f"{doing}: {message}", permanent=reason not in RETRIED)
 
 
@@ -62,5 +67,18 @@ def storage_failure(error: BaseException, *, doing: str) -> Refusal:
     return Refusal(
         reasons.STORAGE_UNAVAILABLE,
         f"{doing}: the storage failed ({type(error).__name__}: {detail})".replace(": )", ")"),
+        permanent=False,
+    )
+
+
+def record_failure(error: BaseException, *, doing: str) -> Refusal:
+    """The refusal of an attempt whose emission record could not be written (``io_error``),
+    past relayr's own retries, for a write artifactr holds: retried, so that the retry finds
+    the write and records it."""
+    detail = str(error).splitlines()[0] if str(error) else ""
+    why = f"{type(error).__name__}: {detail}".removesuffix(": ")
+    return Refusal(
+        reasons.IO_ERROR,
+        f"{doing}: the emission record could not be written ({why})",
         permanent=False,
     )

@@ -3,10 +3,13 @@
 A run acts as ``ExternalAgentActor(client_id="reflexr:<rule>")`` in its own workspace, and every
 write has an id derived from the run, so a retried attempt makes each effect once (a used id is
 done, not an error; a send asks for its turn again, ADR-0026). Every write is decided by the core
-first (:mod:`relayr.core.routing`), and the allowlist is checked when the run acts, not when it
-was queued. Each write's cause and emission record reach the ledger no later than the write
-(ADR-0023); what is learnt after it waits in :func:`pending_writes` for the run's completion.
-Refusals are ``RunFailure``s with a reason from :mod:`relayr.core.reasons` (ADR-0060).
+first (:mod:`relayr.core.routing`), its emission record included (ADR-0105), and the allowlist is
+checked when the run acts, not when it was queued. Each write's cause and emission record reach
+the ledger with the write (a send's record rides the send; what a retry finds is recorded at
+once, or the attempt fails ``io_error``, ADR-0103); a record's ``policy`` is the route decided
+now (ADR-0101). A refused write's cause waits in :func:`pending_writes` for the run's
+completion. Refusals are ``RunFailure``s with a reason from :mod:`relayr.core.reasons`
+(ADR-0060).
 """
 
 from contextlib import suppress
@@ -17,7 +20,6 @@ from artifactr.core import CreateThread, InvalidState, PostMessage
 from reflexr.workspace import Reaction, RunFailure
 
 from relayr.core import reasons
-from relayr.core.emissions import EmissionOutcome
 from relayr.core.ids import digest
 from relayr.core.routing import PostOperation, Route, content_refusal, may_create_thread, route
 from relayr.execution.artifact_changes import ArtifactChanges
@@ -160,7 +162,9 @@ class RunActions(ArtifactChanges):
         command = PostMessage(
             thread_id=thread, content=content, message_id=message_id, kind="notice"
         )
-        record = self._writes.record(self._run, "notice", "posted", thread, message_id, content)
+        record = self._writes.record(
+            self._run, "notice", "posted", thread, message_id, content, policy="notice"
+        )
         try:
             await self._writes.commit(
                 command, [("message", message_id)], record, doing=f"posting notice {message_id}"
@@ -168,40 +172,54 @@ class RunActions(ArtifactChanges):
         except InvalidState:
             held = await self._writes.held_kind(thread, message_id)
             record = self._writes.record(
-                self._run, held or "notice", "already_posted", thread, message_id, content
+                self._run,
+                held or "notice",
+                "already_posted",
+                thread,
+                message_id,
+                content,
+                policy="notice",
             )
-            self.pending.emission(record)
+            await self._writes.write_record(record)
         self._writes.emitted(record)
         return message_id
 
     async def _send(self, content: str, thread: str, message_id: str) -> str:
         runner = self._bridge.runner
         assert runner is not None, "the core routes no send without an agent"
+        posted = self._writes.record(
+            self._run, "message", "posted", thread, message_id, content, policy="turn"
+        )
         # a send may start a turn: its cause is committed before anything else (ADR-0023)
         await self._writes.record_cause("message", message_id)
-        handle = await self._writes.handle()
-        outcome: EmissionOutcome = "posted"
-        doing = f"sending message {message_id}"
-        try:
-            sent = await self._writes.guarded(
-                doing, lambda: runner.send(handle, thread, content, message_id=message_id)
-            )
-            started = sent.run
+        try:  # the record rides the message's commit (ADR-0103)
+            started = (await self._writes.send(runner, thread, content, posted)).run
+            record = posted
         except InvalidState:
-            if await self._writes.held_kind(thread, message_id) == "notice":
+            held = await self._writes.held_kind(thread, message_id)
+            if held == "notice":
                 # an earlier attempt posted it as a notice: no turn waits for it (ADR-0062)
                 record = self._writes.record(
-                    self._run, "notice", "already_posted", thread, message_id, content
+                    self._run,
+                    "notice",
+                    "already_posted",
+                    thread,
+                    message_id,
+                    content,
+                    policy="turn",
                 )
-                self.pending.emission(record)
+                await self._writes.write_record(record)
                 self._writes.emitted(record)
                 return message_id
-            outcome = "asked"
+            handle = await self._writes.handle()
             started = await self._writes.guarded(
                 f"asking for the turn of message {message_id}", lambda: runner.ask(handle, thread)
             )
+            record = self._writes.record(
+                self._run, "message", "asked", thread, message_id, content, policy="turn"
+            )
+            await self._writes.write_record(record)
+        handle = await self._writes.handle()
         self._bridge.turns.started(started, ask_again=lambda: runner.ask(handle, thread))
-        record = self._writes.record(self._run, "message", outcome, thread, message_id, content)
-        self.pending.emission(record)
         self._writes.emitted(record, turn=None if started is None else started.run_id)
         return message_id

@@ -3,10 +3,12 @@
 Each change is a proposal unless the allowlist makes its kind ``direct`` and the kind's type
 lets a rule write it (a create in a thread in ``suggest`` mode is a proposal all the same).
 Its ids are derived from the run, so a retried attempt finds what an earlier one made: the
-proposal, or the artifact. An edit or an archive reads the artifact first and is skipped when
-it is done already; a version conflict reads it again, a bounded number of times
-(:data:`EDIT_CONFLICT_TRIES`). A direct write's cause is kept under the revision it makes
-(ADR-0065); what artifactr made of a change is what is reported (ADR-0062).
+proposal, or the artifact. A direct edit leaves a row in the ledger that rides its write, and a
+retry that finds it makes the edit no more, whatever changed the artifact since (ADR-0102). An
+edit or an archive reads the artifact first and is skipped when it is done already; a version
+conflict reads it again, a bounded number of times (:data:`EDIT_CONFLICT_TRIES`). A direct
+write's cause is kept under the revision it makes (ADR-0065); what artifactr made of a change is
+what is reported (ADR-0062).
 """
 
 from typing import Any, Final
@@ -29,7 +31,7 @@ from relayr.core.ids import canonical, digest
 from relayr.core.refusals import Refusal
 from relayr.core.routing import archived_refusal, id_refusal, is_direct, pointer_value, thread_for
 from relayr.execution.participant import RunParticipant
-from relayr.ledger.port import WriteKind, revision_key
+from relayr.ledger.port import WriteKind, edit_key, revision_key
 
 EDIT_CONFLICT_TRIES: Final = 5
 """How often an edit re-reads its artifact after a version conflict before it fails the
@@ -79,8 +81,10 @@ class ArtifactChanges(RunParticipant):
     async def edit(self, artifact_id: str, path: str, value: Any) -> str | None:
         """Set the value at a JSON pointer ``path`` of an artifact.
 
-        Skipped (None) when the value is already in place; otherwise a proposal, unless the
-        artifact's kind is in ``direct`` and artifactr applies it (:meth:`writes_directly`).
+        Skipped (the artifact's id) when an earlier attempt made this edit directly: the ledger
+        holds its row, so a person's change since is not overwritten. Skipped (None) when the
+        value is already in place; otherwise a proposal, unless the artifact's kind is in
+        ``direct`` and artifactr applies it (:meth:`writes_directly`).
         An archived artifact is refused (``artifact_archived``, permanent), unless an earlier
         attempt already proposed this edit. A version conflict re-reads the artifact and tries
         again, a bounded number of times. artifactr's refusal for the artifact's state (it was
@@ -91,6 +95,10 @@ class ArtifactChanges(RunParticipant):
         proposal_id = self._ids.next(
             "prp", segment=self._segment, operation="edit_artifact", subject=(artifact_id, path)
         )
+        made = edit_key(proposal_id, digest(canonical({"value": value})))
+        if await self._writes.made("edit", made):
+            self._log.info("edit skipped: made by an earlier attempt", artifact_id=artifact_id)
+            return artifact_id
         for _ in range(EDIT_CONFLICT_TRIES):
             current = await self._writes.artifact(artifact_id)
             if self._in_place(current, path, value):
@@ -107,7 +115,7 @@ class ArtifactChanges(RunParticipant):
             )
             direct = self.writes_directly(current.kind)
             try:
-                return await self._change(command, direct, proposal_id, artifact_id)
+                return await self._change(command, direct, proposal_id, artifact_id, made)
             except _Conflict:
                 continue
             except _StateRefused as refused:
@@ -188,6 +196,7 @@ class ArtifactChanges(RunParticipant):
         direct: bool,
         proposal_id: str,
         artifact_id: str,
+        edit: str | None = None,
     ) -> str:
         """Make ``command`` (``direct``) or propose it; return the id it is found by: the
         artifact's if artifactr applied it, else the proposal's.
@@ -196,7 +205,8 @@ class ArtifactChanges(RunParticipant):
         writer's, ADR-0065), and under its proposal's id, which artifactr records instead if
         the thread went into ``suggest`` mode since it was read. A write that is not direct
         leaves no revision's cause: whoever makes that version (a person accepting the
-        proposal) starts a chain of their own.
+        proposal) starts a chain of their own. A direct edit's row (its key ``edit``) rides
+        the write too, and only the write (ADR-0102).
 
         Raises:
             _Conflict: The artifact changed since the read (a version conflict).
@@ -209,6 +219,8 @@ class ArtifactChanges(RunParticipant):
         if direct:
             made_version = 1 if isinstance(command, CreateArtifact) else command.base_version + 1
             keys.append(("revision", revision_key(artifact_id, made_version)))
+            if edit is not None:
+                keys.append(("edit", edit))
         try:
             outcome = await self._writes.commit(made, keys, doing=doing)
         except VersionConflict:

@@ -26,6 +26,7 @@ type RunOutcome = Literal[
     "dropped",
     "interrupted",
     "abandoned",
+    "limited",
 ]
 """What executing a run did.
 
@@ -34,7 +35,8 @@ type RunOutcome = Literal[
 rule is gone, so the run was cancelled. ``missing``, ``not_due``, ``contended``: nothing was
 done. ``interrupted``: the attempt stopped being current while its action ran, which was
 cancelled; ``dropped``: it stopped being current before its outcome was recorded. In both,
-nothing was recorded: whoever made it not current decided.
+nothing was recorded: whoever made it not current decided. ``limited``: an operator's limit
+held the run back; it was not attempted and waits, due again when the limit expects to allow it.
 """
 
 

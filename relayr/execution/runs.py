@@ -27,6 +27,7 @@ from relayr.execution import attempts, invocation, outcomes
 from relayr.execution.actions import pending_writes
 from relayr.execution.attempts import NoRunFound
 from relayr.execution.hidden_commits import HiddenCommits
+from relayr.execution.limiting import Limiter
 from relayr.execution.outcomes import Claimed, Completion, Ended, Executed, Finished
 from relayr.ledger.port import LedgerWrites
 from relayr.observe import hooks, telemetry
@@ -92,11 +93,23 @@ class Batch:
         self.here: set[tuple[str, str, str]] = set()
         self.budgets: dict[tuple[str, str], _Budget] = {}
         self.spans: dict[str, Span] = {}
+        self.limiter = Limiter(
+            self.rules,
+            runtime.bridge.limits,
+            runtime.bridge.allowlists,
+            self.ttl,
+            runtime.requeue,
+            runtime.bridge,
+        )
+        self.bound: set[str] = set()
+        """Runs admitted under a limit: they hold its slots until their attempt is done."""
 
     async def execute(self, run_ids: list[str]) -> list[Executed]:
         running: dict[asyncio.Task[Ended], _Running] = {}
         try:
             leased = [run_id for run_id in run_ids if await self._lease(run_id)]
+            if leased and self.limiter.active():
+                leased = await self._admit(leased)
             if leased:
                 for claimed in await self._claim(leased):
                     self._start(claimed, running)
@@ -106,6 +119,8 @@ class Batch:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             await self._release(self.held - self.succeeded)
+            for run_id in sorted(self.bound):  # attempts cut short: their slots go back
+                await self._unbind(run_id)
             self.runtime.executing.difference_update(self.here)
             for span in self.spans.values():  # cancelled with their message: nothing recorded
                 telemetry.end(span, {telemetry.OUTCOME: "interrupted"})
@@ -136,6 +151,19 @@ class Batch:
         self.held.add(run_id)
         return None
 
+    async def _admit(self, run_ids: list[str]) -> list[str]:
+        """Check the leased runs against the limits; those over one wait, not attempted
+        (:mod:`relayr.execution.limiting`), and their leases are released at once."""
+        admitted = await self.limiter.admit(self.ref, run_ids)
+        self.bound |= admitted.bound
+        for run_id, why in admitted.refused.items():
+            self._ended(run_id, Executed("limited", None, f"run {run_id} {why}"))
+        for run_id, why in admitted.not_due.items():
+            self._ended(run_id, Executed("not_due", None, f"run {run_id} {why}"))
+        left = {*admitted.refused, *admitted.not_due}
+        await self._release(left)
+        return [run_id for run_id in run_ids if run_id not in left]
+
     async def _claim(self, run_ids: list[str]) -> list[Claimed]:
         """Claim the leased runs; release at once the leases of those that did not start."""
         tries: HiddenCommits[dict[str, Claimed | Executed]] = HiddenCommits()
@@ -157,6 +185,9 @@ class Batch:
         await self._release(
             run_id for run_id, claim in claims.items() if isinstance(claim, Executed)
         )
+        for run_id, claim in claims.items():
+            if isinstance(claim, Executed):
+                await self._unbind(run_id)
         return started
 
     def _start(self, claimed: Claimed, running: dict[asyncio.Task[Ended], _Running]) -> None:
@@ -234,6 +265,8 @@ class Batch:
                 kept = await retried(
                     lambda: self.storage.acquire_lease(self.ref, key, holder, self.ttl)
                 )
+                if run.id in self.bound:
+                    await self.limiter.renew(self.ref, run.id)
                 current = await retried(lambda: self.storage.run(self.ref, run.id))
                 if not kept or current is None or not current.is_running(run.epoch):
                     task.cancel()
@@ -252,8 +285,10 @@ class Batch:
             finished: list[Finished] = []
             writes: list[LedgerWrites] = []
             began: dict[str, float] = {}
+            reactions: dict[str, Reaction[Any] | None] = {}
             for task in done:
                 entry = running.pop(task)
+                reactions[entry.claimed.run.id] = entry.reaction
                 run = entry.claimed.run
                 ended = task.result()
                 if entry.reaction is not None and (left := pending_writes(entry.reaction)):
@@ -270,6 +305,7 @@ class Batch:
                         ),
                         seconds=perf_counter() - entry.began,
                     )
+                    await self._unbind(run.id, entry.reaction)
                     continue
                 successor = await self._successor(entry.claimed)
                 finished.append(Finished(entry.claimed, ended, successor))
@@ -282,6 +318,7 @@ class Batch:
             completion = await self._complete(finished, merged)
             for run_id, outcome in completion.executed.items():
                 self._ended(run_id, outcome, seconds=perf_counter() - began[run_id])
+                await self._unbind(run_id, reactions.get(run_id))
             for run_id, outcome in completion.abandoned.items():
                 self._ended(run_id, outcome)
             claimed_next = {claimed.run.id for claimed in completion.started}
@@ -336,6 +373,8 @@ class Batch:
         run_id = order.after(claimed.run.id)
         if run_id is None:
             return None
+        if self.limiter.active() and self.limiter.binds(self.ref, claimed.rule.name):
+            return None  # its limits are checked before a claim: the queue brings it
         budget = self.budgets.setdefault((claimed.rule.name, claimed.run.scope_key), _Budget())
         if not budget.take() or await self._take(run_id) is not None:
             return None  # the dispatcher hands it to the queue
@@ -351,6 +390,13 @@ class Batch:
             self.here.discard(here)
             self.runtime.executing.discard(here)
 
+    async def _unbind(self, run_id: str, reaction: Reaction[Any] | None = None) -> None:
+        """Give back what the run's attempt held under its limits (a turn its message started
+        keeps its slot until it ends: :meth:`relayr.execution.limiting.Limiter.release`)."""
+        if run_id in self.bound:
+            self.bound.discard(run_id)
+            await self.limiter.release(self.ref, run_id, sent=_sent(reaction))
+
     def _ended(self, run_id: str, executed: Executed, *, seconds: float | None = None) -> None:
         self.results[run_id] = replace(executed, run_id=run_id)
         if run_id in self.spans:
@@ -359,6 +405,13 @@ class Batch:
             self.succeeded.add(run_id)
         run = executed.run
         hooks.emit(RunEnded(None if run is None else run.rule, executed.outcome, seconds))
+
+
+def _sent(reaction: Reaction[Any] | None) -> bool:
+    """Whether the attempt sent a message that starts a turn (its emission rides the
+    completion, :mod:`relayr.ledger.riding`)."""
+    writes = None if reaction is None else pending_writes(reaction)
+    return writes is not None and any(record.kind == "message" for record in writes.emissions)
 
 
 def _releasing(

@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import structlog
 from artifactr import Artifact, ExternalAgentActor, VersionConflict, Versioned, Workspace
+from artifactr.agent import Runner, Sent
 from artifactr.core import (
     Command,
     InvalidState,
@@ -28,9 +29,10 @@ from reflexr.core import Run
 from reflexr.workspace import RunFailure
 
 from relayr.core import reasons
-from relayr.core.emissions import POLICY_OF_KIND, EmissionKind, EmissionOutcome, EmissionRecord
-from relayr.core.refusals import Refusal, classify, storage_failure
-from relayr.ledger.port import Cause, LedgerWrites, WorkspaceKey, WriteKind
+from relayr.core.emissions import EmissionKind, EmissionOutcome, EmissionPolicy, EmissionRecord
+from relayr.core.errors import InvalidEmission
+from relayr.core.refusals import Refusal, classify, record_failure, storage_failure
+from relayr.ledger.port import MADE_WITH_THEIR_WRITE, Cause, LedgerWrites, WorkspaceKey, WriteKind
 from relayr.observe import hooks
 from relayr.observe.hooks import EmissionMade, WriteRefused
 from relayr.runtime.bridge import Bridge
@@ -77,20 +79,29 @@ class Writes:
             )
         return self._handle
 
-    async def guarded[T](self, doing: str, step: Callable[[], Awaitable[T]]) -> T:
+    async def guarded[T](
+        self,
+        doing: str,
+        step: Callable[[], Awaitable[T]],
+        *,
+        expected: tuple[type[Rejection], ...] = (),
+    ) -> T:
         """Run a storage step, retried on transient faults; fail the attempt on the rest.
 
-        artifactr's refusals other than a used id (``InvalidState``, which the caller reads)
-        and a version conflict (which the caller re-reads) are classified; a storage error
-        that outlasts the retries is ``storage_unavailable``.
+        artifactr's refusals are classified (:func:`relayr.core.refusals.classify`), each with
+        a named reason, except those the caller reads itself (``expected``: a used id's
+        ``InvalidState``, a ``VersionConflict`` it re-reads). A storage error that outlasts the
+        retries is ``storage_unavailable``.
         """
         try:
             return await retried(step)
         except ThreadBusy as busy:
+            if ThreadBusy in expected:
+                raise
             raise self.refused_by_artifactr(busy, doing) from None
-        except (InvalidState, VersionConflict):
-            raise
         except Rejection as refused:
+            if isinstance(refused, expected):
+                raise
             raise self.refused_by_artifactr(refused, doing) from None
         except Exception as error:
             if not is_storage_error(error):
@@ -142,7 +153,8 @@ class Writes:
         did land is refused as used (``InvalidState``) the second time. When the commit is
         refused, the cause under a key derived from the run waits for the run's completion (an
         earlier attempt made the write, or none will, and a cause without its write is
-        harmless). A revision's does not: another run may make that revision (ADR-0065).
+        harmless). A revision's does not: another run may make that revision (ADR-0065); nor
+        does an edit's, which says the edit was made (ADR-0102).
         """
         handle = await self.handle()
         writes = LedgerWrites()
@@ -156,13 +168,23 @@ class Writes:
                 return await handle.commit(command)
 
         try:
-            return await self.guarded(doing, step)
+            return await self.guarded(doing, step, expected=(InvalidState, VersionConflict))
         except BaseException:
             if not writes.committed:
                 for kind, key in keys:
-                    if kind != "revision":
+                    if kind not in MADE_WITH_THEIR_WRITE:
                         self.pending.cause(self.workspace, kind, key, self._cause)
             raise
+
+    async def made(self, kind: WriteKind, key: str) -> bool:
+        """Whether this run's write found by ``key`` was made: its row, which rides only the
+        write (:data:`~relayr.ledger.port.MADE_WITH_THEIR_WRITE`), is in the ledger."""
+        ledger = self._bridge.ledger
+        found = await self.guarded(
+            f"reading the ledger for {kind} {key}",
+            lambda: ledger.cause(self.workspace, kind, key),
+        )
+        return found is not None and found.run_id == self._cause.run_id
 
     async def record_cause(self, kind: WriteKind, key: str) -> None:
         """Commit the cause of a write before the write (a send, which starts a turn)."""
@@ -172,14 +194,78 @@ class Writes:
             lambda: ledger.record_cause(self.workspace, kind, key, self._cause),
         )
 
+    async def send(
+        self, runner: Runner[Any], thread_id: str, content: str, record: EmissionRecord
+    ) -> Sent:
+        """``Runner.send`` the message ``record`` names, the record riding its commit.
+
+        The record commits in the message's transaction, or not at all (ADR-0103): a send that
+        exists has its record, whatever becomes of the run afterwards.
+
+        Raises:
+            InvalidState: If the message id is used (an earlier attempt posted it).
+        """
+        handle = await self.handle()
+        writes = LedgerWrites()
+        writes.emission(record)
+        ledger = self._bridge.ledger
+
+        async def step() -> Sent:
+            async with ledger.alongside(writes):
+                return await runner.send(handle, thread_id, content, message_id=record.message_id)
+
+        return await self.guarded(
+            f"sending message {record.message_id}", step, expected=(InvalidState,)
+        )
+
+    async def write_record(self, record: EmissionRecord) -> None:
+        """Write the record of an emission that rode no write of its own (an earlier attempt's
+        write found, a turn asked for), at once, in a transaction of its own.
+
+        Raises:
+            RunFailure: ``io_error`` (retried) when the ledger keeps failing: the write is in
+                artifactr, and the retry finds it and records it.
+        """
+        writes = LedgerWrites()
+        writes.emission(record)
+        ledger = self._bridge.ledger
+        try:
+            await retried(lambda: ledger.write(writes))
+        except Exception as error:
+            if not is_storage_error(error):
+                raise
+            doing = f"recording the {record.outcome} {record.kind} {record.message_id}"
+            refusal = record_failure(error, doing=doing)
+            self._log.warning(
+                "emission record not written", doing=doing, reason=refusal.reason, error=str(error)
+            )
+            hooks.emit(WriteRefused(refusal.reason))
+            raise failure(refusal) from None
+
     async def held_kind(self, thread_id: str, message_id: str) -> EmissionKind | None:
         """What artifactr holds under a used message id: a ``notice`` or a ``message``.
 
         Read back only when an id turns out used (a retried attempt), so that its emission
-        record says what artifactr holds, whatever the allowlist says now. None if the id is
-        not in the thread (a message id is unique in the workspace, and derived from the
-        thread, so it is there unless something else took it).
+        record says what artifactr holds, whatever the allowlist says now. Found in the ledger:
+        every notice and send leaves its record with its write, and a record's kind is what
+        artifactr holds (ADR-0103). Only a message sent before records rode their sends (or by
+        a ledger on an engine of its own, whose process died between the two) has none: its
+        thread is read for it then. None if the id is not in the thread either.
         """
+        ledger = self._bridge.ledger
+        run_id = self._cause.run_id
+        records = await self.guarded(
+            f"reading the emission records of run {run_id}",
+            lambda: ledger.emissions(self.workspace, run_id),
+        )
+        for record in records:
+            if record.message_id == message_id:
+                return record.kind
+        self._log.info("emission record missing: reading the thread", message_id=message_id)
+        return await self._held_in_thread(thread_id, message_id)
+
+    async def _held_in_thread(self, thread_id: str, message_id: str) -> EmissionKind | None:
+        """What a thread's log holds under ``message_id``, read page by page."""
         handle = await self.handle()
         after = 0
         while True:
@@ -244,23 +330,41 @@ class Writes:
         thread: str,
         message_id: str,
         content: str,
+        *,
+        policy: EmissionPolicy,
     ) -> EmissionRecord:
-        """The emission record of a notice (``kind`` notice) or a send (message) of ``run``."""
-        return EmissionRecord(
-            kind=kind,
-            rule=run.rule,
-            run_id=run.id,
-            attempt=run.attempts,
-            epoch=run.epoch,
-            tenant_id=self.workspace.tenant_id,
-            workspace_id=self.workspace.workspace_id,
-            thread_id=thread,
-            message_id=message_id,
-            policy=POLICY_OF_KIND[kind],
-            outcome=outcome,
-            content=content,
-            emitted_at=self._bridge.clock(),
-        )
+        """The emission record of ``run``'s notice or message (``kind``: what artifactr holds)
+        on the route the allowlist decided (``policy``: ``notice`` or ``turn``).
+
+        Built, so validated, before the write it records is made (ADR-0105).
+
+        Raises:
+            RunFailure: ``invalid_emission`` (permanent), naming the record's code, if it does
+                not validate: nothing is written.
+        """
+        try:
+            return EmissionRecord(
+                kind=kind,
+                rule=run.rule,
+                run_id=run.id,
+                attempt=run.attempts,
+                epoch=run.epoch,
+                tenant_id=self.workspace.tenant_id,
+                workspace_id=self.workspace.workspace_id,
+                thread_id=thread,
+                message_id=message_id,
+                policy=policy,
+                outcome=outcome,
+                content=content,
+                emitted_at=self._bridge.clock(),
+            )
+        except InvalidEmission as invalid:
+            refusal = Refusal(
+                reasons.INVALID_EMISSION,
+                f"the record of {kind} {message_id} of run {run.id} is refused, "
+                f"{invalid.code}: {invalid.message}",
+            )
+            raise self.refused(refusal, kind, thread_id=thread) from None
 
     def emitted(self, record: EmissionRecord, *, turn: str | None = None) -> None:
         """Count and log one emission, and say what it did on the write's span."""

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from artifactr import Workspace as ArtifactWorkspace
 from artifactr.core import Envelope as ArtifactrEnvelope
+from artifactr.core import RunEnded
 from reflexr import Event
 from reflexr.core import Causation
 from reflexr.workspace import Access, Entry, WorkspaceRef
@@ -24,11 +24,21 @@ from relayr.follow.events import FOLLOWER
 from relayr.follow.projections import Projection, Source, event_type
 from relayr.follow.reports import CAUSE_MISSING, DEPTH_EXCEEDED, PROJECTION_FAILED
 from relayr.follow.store import DeadLetter
-from relayr.ledger.port import Ledger, WorkspaceKey
+from relayr.ledger.port import Cause, Ledger, LedgerWrites, WorkspaceKey
 from relayr.observe import telemetry
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """A turn that ended (artifactr's ``run_ended``), the run whose message started it (the
+    ledger's cause of its newest message a run sent), and the tokens its ``usage`` counts."""
+
+    run_id: str
+    turn_id: str
+    tokens: int
 
 
 @dataclass
@@ -40,6 +50,10 @@ class Prepared:
     skipped: int = 0
     spans: list["Span"] = field(default_factory=list)
     """With tracing on, a ``relayr.bridge`` span per entry, ended once the batch is published."""
+    turn_ends: list[TurnEnd] = field(default_factory=list)
+    """The batch's turns that ended and the run whose message started each, for the limits."""
+    kept: LedgerWrites = field(default_factory=LedgerWrites)
+    """The causes of the turns that start in the batch, committed with it (ADR-0104)."""
 
 
 class Batches:
@@ -60,6 +74,7 @@ class Batches:
         clock: Callable[[], datetime],
     ) -> None:
         self._rules = rules
+        self._ledger = ledger
         self._chains = Chains(ledger)
         self._projections = projections
         self._clock = clock
@@ -67,13 +82,20 @@ class Batches:
     async def prepare(
         self,
         key: WorkspaceKey,
-        handle: ArtifactWorkspace,
         envelopes: Sequence[ArtifactrEnvelope],
     ) -> Prepared:
         """Project each envelope and find the chain it continues; what fails is dead."""
-        chains = await self._chains.of_batch(key, handle, envelopes)
-        prepared = Prepared()
+        chains = await self._chains.of_batch(key, envelopes)
+        prepared = Prepared(kept=chains.kept)
         for envelope in envelopes:
+            if isinstance(envelope.event, RunEnded):
+                started_by = chains.cause_of(envelope)
+                if isinstance(started_by, Cause):
+                    usage = envelope.event.usage
+                    tokens = 0 if usage is None else usage.input_tokens + usage.output_tokens
+                    prepared.turn_ends.append(
+                        TurnEnd(started_by.run_id, envelope.event.run_id, tokens)
+                    )
             projection = self._projections.get(event_type(envelope))
             if projection is None:
                 prepared.skipped += 1
@@ -137,19 +159,22 @@ class Batches:
             )
         return prepared
 
-    async def publish(self, key: WorkspaceKey, entries: Sequence[Entry]) -> tuple[int, int]:
+    async def publish(self, key: WorkspaceKey, prepared: Prepared) -> tuple[int, int]:
         """Append the entries whose ids are not in reflexr's log yet, in one transaction, as
-        ``Workspace.publish_many`` appends; return how many were appended and found."""
-        if not entries:
-            return 0, 0
-        rules = await self._rules.open(key.tenant_id, key.workspace_id, actor=FOLLOWER)
-        await rules.check(Access(action="reflexr:publish"))
-        ref = WorkspaceRef(key.tenant_id, key.workspace_id)
-        async with self._rules.storage.transaction(ref) as transaction:
-            await meet_rules(transaction, self._rules.rules.values())
-            fresh = [entry for entry in entries if await transaction.envelope(entry.id) is None]
-            if fresh:
-                await transaction.append(fresh)
+        ``Workspace.publish_many`` appends, with the causes of the batch's turns riding it;
+        return how many were appended and found."""
+        entries = prepared.entries
+        async with self._ledger.alongside(prepared.kept):
+            if not entries:
+                return 0, 0
+            rules = await self._rules.open(key.tenant_id, key.workspace_id, actor=FOLLOWER)
+            await rules.check(Access(action="reflexr:publish"))
+            ref = WorkspaceRef(key.tenant_id, key.workspace_id)
+            async with self._rules.storage.transaction(ref) as transaction:
+                await meet_rules(transaction, self._rules.rules.values())
+                fresh = [e for e in entries if await transaction.envelope(e.id) is None]
+                if fresh:
+                    await transaction.append(fresh)
         return len(fresh), len(entries) - len(fresh)
 
     def _dead(

@@ -2,35 +2,33 @@
 
 A rule's write continues its run's chain, found in the ledger under the write's own key (ADR-0023;
 :data:`MISSING` when the ledger lacks it). A turn's envelope continues the chain of the newest
-run-posted message the turn carried out (ADR-0026). Anything else (a person's writes) starts a
-chain of its own (None). A whole batch's causes are read in one ledger read.
+run-posted message the turn carried out (ADR-0026): the follower that reads the turn's
+``run_started`` keeps that cause in the ledger under the turn's id, with the batch, so every
+later envelope of the turn finds it there, after any follower's restart; nobody reads a thread
+back (ADR-0104). Anything else (a person's writes) starts a chain of its own (None). A whole
+batch's causes are read in one ledger read.
 """
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Final
 
 import structlog
-from artifactr import Workspace as ArtifactWorkspace
-from artifactr.core import ArtifactArchived, ArtifactChanged, ArtifactCreated, Rejection, RunStarted
+from artifactr.core import ArtifactArchived, ArtifactChanged, ArtifactCreated, RunStarted
 from artifactr.core import Envelope as ArtifactrEnvelope
 
 from relayr.follow.projections import event_type
-from relayr.ledger.port import Cause, Ledger, WorkspaceKey, WriteKind, revision_key
+from relayr.ledger.port import Cause, Ledger, LedgerWrites, WorkspaceKey, WriteKind, revision_key
 from relayr.ledger.turns import newest_cause
 
 logger = structlog.get_logger("relayr.follow")
 
 TURNS_KEPT: Final = 10_000
-"""How many turns' message ids a follower keeps from the ``run_started`` it read: the turn's
-later envelopes (the reply, its end) usually follow in the same or the next batch."""
-
-TURN_LOOKUP_PAGE: Final = 200
-TURN_LOOKUP_PAGES: Final = 10
-"""When a turn's ``run_started`` is not kept (a restarted follower, a very long turn), its
-thread is read backwards for it, this many envelopes at a time, at most this many times; a
-turn whose start is further back continues no chain."""
+"""How many turns' message ids a follower keeps in memory from the ``run_started`` it read, for
+the ``message_ids`` a bridged ``turn_ended`` carries: its end usually follows in the same or the
+next batch. What is not kept (a restarted follower) is bridged with none; a turn's chain never
+depends on it (the ledger keeps the turn's cause)."""
 
 RULE_CLIENT_PREFIX: Final = "reflexr:"
 """The client id of a rule's participant in artifactr: ``reflexr:<rule>``
@@ -58,18 +56,21 @@ class BatchChains:
     """What the chains of one batch's envelopes are found from.
 
     Attributes:
-        turns: The messages each turn of the batch carried out, by turn id.
-        causes: The causes of the batch's rules' writes and turns' messages, by ledger key.
-        messages: The causes of messages, by message id.
+        turns: The messages each turn of the batch started with, by turn id, as far as known.
+        causes: The causes of the batch's rules' writes, by ledger key.
+        turn_causes: The cause of each of the batch's turns that a run's message started.
+        kept: The causes of the turns that start in the batch, to commit with it, before the
+            follower's cursor moves past their start.
     """
 
     turns: Mapping[str, tuple[str, ...]]
     causes: Mapping[tuple[WriteKind, str], Cause]
-    messages: Mapping[str, Cause]
+    turn_causes: Mapping[str, Cause]
+    kept: LedgerWrites = field(default_factory=LedgerWrites)
 
     def turn_messages(self, envelope: ArtifactrEnvelope) -> tuple[str, ...] | None:
         """The messages the turn that wrote ``envelope`` carried out; None when no turn did."""
-        return None if envelope.run_id is None else self.turns[envelope.run_id]
+        return None if envelope.run_id is None else self.turns.get(envelope.run_id, ())
 
     def cause_of(self, envelope: ArtifactrEnvelope) -> Cause | CauseMissing | None:
         """The run whose chain ``envelope`` continues; None for a chain of its own, and
@@ -79,97 +80,58 @@ class BatchChains:
             found = next((self.causes[key] for key in keys if key in self.causes), None)
             return MISSING if found is None else found
         if envelope.run_id is not None:
-            return newest_cause(self.turns.get(envelope.run_id, ()), self.messages)
+            return self.turn_causes.get(envelope.run_id)
         return None
 
 
 class Chains:
-    """The chains of one follower's batches: the ledger, and the turns' messages seen so far."""
+    """The chains of one follower's batches, from the ledger alone."""
 
     def __init__(self, ledger: Ledger) -> None:
         self._ledger = ledger
         self._turns: OrderedDict[tuple[WorkspaceKey, str], tuple[str, ...]] = OrderedDict()
 
     async def of_batch(
-        self,
-        key: WorkspaceKey,
-        handle: ArtifactWorkspace,
-        envelopes: Sequence[ArtifactrEnvelope],
+        self, key: WorkspaceKey, envelopes: Sequence[ArtifactrEnvelope]
     ) -> BatchChains:
-        """The chains of a batch of ``key``'s envelopes: its turns' messages (kept, or read back
-        through ``handle``) and the causes it needs, in one read of the ledger."""
+        """The chains of a batch of ``key``'s envelopes, in one read of the ledger.
+
+        A turn that starts in the batch gets its cause from its messages' (ADR-0026), to keep
+        under its id (:attr:`BatchChains.kept`); a turn that started before gets the one kept
+        then.
+        """
+        started: dict[str, tuple[str, ...]] = {}
         for envelope in envelopes:
             if isinstance(envelope.event, RunStarted):
+                started[envelope.event.run_id] = tuple(envelope.event.message_ids)
                 self._keep_turn(key, envelope.event.run_id, envelope.event.message_ids)
-        turns = await self._turn_messages(key, handle, envelopes)
-        causes = await self._causes(key, envelopes, turns)
-        messages = {write: cause for (kind, write), cause in causes.items() if kind == "message"}
-        return BatchChains(turns, causes, messages)
-
-    async def _turn_messages(
-        self,
-        key: WorkspaceKey,
-        handle: ArtifactWorkspace,
-        envelopes: Iterable[ArtifactrEnvelope],
-    ) -> dict[str, tuple[str, ...]]:
-        """The message ids of the turn of every envelope a turn wrote, by turn id."""
-        found: dict[str, tuple[str, ...]] = {}
+        wanted: set[tuple[WriteKind, str]] = set()
+        turns: dict[str, tuple[str, ...]] = {}
         for envelope in envelopes:
+            wanted.update(rule_write(envelope))
             turn = envelope.run_id
-            if turn is None or turn in found:
-                continue
-            kept = self._turns.get((key, turn))
-            if kept is None:
-                thread_id = envelope.thread_id or await _thread_of(handle, turn)
-                if thread_id is not None:
-                    kept = await self._find_turn(handle, thread_id, turn, envelope.seq)
-                    self._keep_turn(key, turn, kept)
-            found[turn] = kept or ()
-        return found
-
-    async def _find_turn(
-        self, handle: ArtifactWorkspace, thread_id: str, turn: str, before_seq: int
-    ) -> tuple[str, ...]:
-        """Read a thread backwards from ``before_seq`` for the ``run_started`` of ``turn``."""
-        for _ in range(TURN_LOOKUP_PAGES):
-            page = await handle.read(
-                threads={thread_id}, before_seq=before_seq, last=TURN_LOOKUP_PAGE
-            )
-            for envelope in reversed(page):
-                event = envelope.event
-                if isinstance(event, RunStarted) and event.run_id == turn:
-                    return tuple(event.message_ids)
-            if len(page) < TURN_LOOKUP_PAGE:
-                break
-            before_seq = page[0].seq
-        logger.warning(
-            "a turn's start was not found: its envelopes start chains of their own",
-            thread_id=thread_id,
-            turn_id=turn,
-        )
-        return ()
+            if turn is not None and turn not in turns:
+                turns[turn] = started.get(turn) or self._turns.get((key, turn), ())
+                if turn not in started:
+                    wanted.add(("turn", turn))
+        for message_ids in started.values():
+            wanted.update(("message", message_id) for message_id in message_ids)
+        causes = await self._ledger.causes(key, wanted) if wanted else {}
+        messages = {write: cause for (kind, write), cause in causes.items() if kind == "message"}
+        turn_causes = {write: cause for (kind, write), cause in causes.items() if kind == "turn"}
+        kept = LedgerWrites()
+        for turn, message_ids in started.items():
+            cause = newest_cause(message_ids, messages)
+            if cause is not None:
+                turn_causes[turn] = cause
+                kept.cause(key, "turn", turn, cause)
+        return BatchChains(turns, causes, turn_causes, kept)
 
     def _keep_turn(self, key: WorkspaceKey, turn: str, message_ids: Sequence[str]) -> None:
         self._turns[(key, turn)] = tuple(message_ids)
         self._turns.move_to_end((key, turn))
         while len(self._turns) > TURNS_KEPT:
             self._turns.popitem(last=False)
-
-    async def _causes(
-        self,
-        key: WorkspaceKey,
-        envelopes: Iterable[ArtifactrEnvelope],
-        turns: Mapping[str, Sequence[str]],
-    ) -> dict[tuple[WriteKind, str], Cause]:
-        """The causes of the batch's rules' writes and of its turns' messages: one read."""
-        wanted: set[tuple[WriteKind, str]] = set()
-        for envelope in envelopes:
-            wanted.update(rule_write(envelope))
-        for message_ids in turns.values():
-            wanted.update(("message", message_id) for message_id in message_ids)
-        if not wanted:
-            return {}
-        return await self._ledger.causes(key, wanted)
 
 
 def is_rule_author(envelope: ArtifactrEnvelope) -> bool:
@@ -199,11 +161,3 @@ def rule_write(envelope: ArtifactrEnvelope) -> tuple[tuple[WriteKind, str], ...]
         return ()
     kind, attribute = found
     return ((kind, str(getattr(event, attribute))),)
-
-
-async def _thread_of(handle: ArtifactWorkspace, turn: str) -> str | None:
-    """The thread of a turn, for an envelope of it that names none (an artifact's change)."""
-    try:
-        return (await handle.run(turn)).thread_id
-    except Rejection:
-        return None

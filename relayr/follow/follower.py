@@ -11,11 +11,13 @@ follow dead-letters replay`` publishes it again under the same id.
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Final, Self
 
 import structlog
@@ -24,7 +26,8 @@ from artifactr import Workspace as ArtifactWorkspace
 from artifactr import Workspaces as ArtifactWorkspaces
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
-from relayr.follow.batches import Batches
+from relayr.core.errors import InvalidAllowlist
+from relayr.follow.batches import Batches, TurnEnd
 from relayr.follow.config import Inbound
 from relayr.follow.projections import PROJECTIONS
 from relayr.follow.reports import Followed, Replayed, WorkspaceStatus
@@ -35,9 +38,13 @@ from relayr.follow.store import (
     SqlFollowStore,
     workspace_order,
 )
+from relayr.ledger.limits import LimitStore, RunKey
 from relayr.ledger.port import Ledger, WorkspaceKey
 from relayr.observe import telemetry
+from relayr.runtime.allowlist_file import AllowlistFile
 from relayr.runtime.application import Application
+from relayr.runtime.transient import retried
+from relayr.runtime.waking import Requeue, make_due, queue_woken
 
 if TYPE_CHECKING:
     from relayr.runtime.process import Runtime
@@ -88,6 +95,12 @@ class Followers:
         holder: This process's name in the leases.
         lease_ttl_s: How long a lease lasts unless renewed.
         inbound: The application's inbound side: workspaces, projections, hook.
+        limits: The operators' limits' counts: a turn that ends gives back its slot and counts
+            its tokens (:meth:`relayr.ledger.limits.LimitStore.turn_ended`).
+        requeue: Queues the runs a turn's end lets go, at once (else the dispatcher finds them
+            due).
+        turn_limits: Whether any limit counts turns or tokens now: when none does, a turn's end
+            costs the limits nothing.
         clock: The wall clock leases are stamped with.
         monotonic: The clock renewals and the workspace list are timed on.
     """
@@ -102,9 +115,15 @@ class Followers:
         holder: str,
         lease_ttl_s: float,
         inbound: Inbound | None = None,
+        limits: LimitStore | None = None,
+        requeue: Requeue | None = None,
+        turn_limits: Callable[[], bool] = lambda: True,
         clock: Callable[[], datetime] = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._limits = limits
+        self._requeue = requeue
+        self._turn_limits = turn_limits
         self._artifacts = artifacts
         self._rules = rules
         self.store: Final = store
@@ -128,6 +147,9 @@ class Followers:
         holder: str,
         lease_ttl_s: float,
         store: FollowStore | None = None,
+        limits: LimitStore | None = None,
+        requeue: Requeue | None = None,
+        turn_limits: Callable[[], bool] = lambda: True,
     ) -> Self:
         """The followers of an application.
 
@@ -145,6 +167,9 @@ class Followers:
             holder=holder,
             lease_ttl_s=lease_ttl_s,
             inbound=application.inbound,
+            limits=limits,
+            requeue=requeue,
+            turn_limits=turn_limits,
         )
 
     async def follow_all(self) -> Followed:
@@ -212,9 +237,9 @@ class Followers:
             if not envelopes:
                 break
             done.read += len(envelopes)
-            prepared = await self._batches.prepare(key, handle, envelopes)
+            prepared = await self._batches.prepare(key, envelopes)
             try:
-                bridged, duplicates = await self._batches.publish(key, prepared.entries)
+                bridged, duplicates = await self._batches.publish(key, prepared)
             finally:
                 for span in prepared.spans:
                     telemetry.end(span)
@@ -241,6 +266,7 @@ class Followers:
                 )
             if self._inbound.after_publish is not None:
                 await self._inbound.after_publish(key, seqs)
+            await self._turns_ended(key, prepared.turn_ends)
             renewed_at = self._monotonic()
             moved = await self.store.advance(
                 key, self._holder, seqs[-1], until=self._until(), dead=prepared.dead
@@ -264,6 +290,23 @@ class Followers:
             if batch == BATCHES_PER_PASS - 1:
                 done.behind = 1
         return done
+
+    async def _turns_ended(self, key: WorkspaceKey, ends: Sequence[TurnEnd]) -> None:
+        """Give the limits what the batch's ended turns held, and wake the runs that waited
+        for it. Done again, it changes nothing: a slot is freed and a turn counted once."""
+        if self._limits is None or not ends or not self._turn_limits():
+            return
+        limits = self._limits
+        woken: list[RunKey] = []
+        for end in ends:
+            run = RunKey(key.tenant_id, key.workspace_id, end.run_id)
+            now = self._rules.clock()
+            ended = partial(limits.turn_ended, run, end.turn_id, end.tokens, now)
+            woken.extend(await retried(ended))
+        if not woken:
+            return
+        due = await make_due(self._rules, limits, list(dict.fromkeys(woken)))
+        await queue_woken(self._requeue, due)
 
     async def serve(self, interval_s: float, stop: asyncio.Event) -> None:
         """Follow every workspace every ``interval_s`` until ``stop`` is set, then release the
@@ -340,9 +383,9 @@ class Followers:
             for envelope in await handle.read(after_seq=letter.seq - 1, limit=1)
             if envelope.id == letter.envelope_id
         ]
-        prepared = await self._batches.prepare(key, handle, envelopes)
+        prepared = await self._batches.prepare(key, envelopes)
         try:
-            await self._batches.publish(key, prepared.entries)
+            await self._batches.publish(key, prepared)
         finally:
             for span in prepared.spans:
                 telemetry.end(span)
@@ -413,4 +456,25 @@ def followers_of(runtime: "Runtime") -> "Followers":
         runtime.bridge.ledger,
         holder=runtime.holder,
         lease_ttl_s=runtime.settings.lease_ttl_s,
+        limits=runtime.bridge.limits,
+        requeue=runtime.requeue,
+        turn_limits=turn_limits_in(runtime.settings.allowlist),
     )
+
+
+def turn_limits_in(path: "str | os.PathLike[str]") -> Callable[[], bool]:
+    """Whether the allowlist file at ``path`` has a limit on turns or tokens, as it is now
+    (looked at once a second). A file that cannot be read says yes: counting what no limit
+    needs costs a transaction; missing a turn's end would keep its slot for a lease."""
+    try:
+        file = AllowlistFile.open(path, on_invalid=lambda _: None, on_reload=lambda _: None)
+    except InvalidAllowlist:
+        return lambda: True
+
+    def any_turn_limit() -> bool:
+        limits = file.current().limits
+        return file.last_error is not None or any(
+            limit.turns_in_flight is not None or limit.tokens_per is not None for limit in limits
+        )
+
+    return any_turn_limit

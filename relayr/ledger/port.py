@@ -14,11 +14,26 @@ from typing import Literal, Protocol
 
 from relayr.core.emissions import EmissionRecord
 
-type WriteKind = Literal["message", "thread", "proposal", "revision", "artifact"]
+type WriteKind = Literal["message", "thread", "proposal", "revision", "artifact", "edit", "turn"]
 """What a cause's key names (ADR-0023): a message, a thread or a proposal by its id, derived from
 the run; a direct write to an artifact by the revision it made (:func:`revision_key`), since an
 artifact's id is shared by every run that writes it. ``artifact`` (a direct write by its
-artifact's id) is what relayr recorded before revisions, read only for writes made then."""
+artifact's id) is what relayr recorded before revisions, read only for writes made then.
+``edit`` is a direct edit by the edit's own key (:func:`edit_key`), a row that rides only the
+edit's write, so a retry finds the edit made (ADR-0102); ``turn`` an agent's turn by its id: the
+cause the follower found from the turn's messages, kept so that every later envelope of the turn
+finds it in the ledger alone (ADR-0104)."""
+
+MADE_WITH_THEIR_WRITE: frozenset[WriteKind] = frozenset({"revision", "edit"})
+"""The kinds of row that say their write was made: committed with it or not at all, never on
+their own (a revision may be another run's, an edit's row would make a retry skip it)."""
+
+
+def edit_key(edit_id: str, value_digest: str) -> str:
+    """The key of a direct edit: its derived id (the run, the artifact and path, and how many
+    such edits the attempt made before) and the digest of the value it set, so a retry that
+    sets the same value finds the edit, and one that sets another value makes its own."""
+    return f"{edit_id}/{value_digest}"
 
 
 def revision_key(artifact_id: str, version: int) -> str:

@@ -65,6 +65,14 @@ class RunsEnqueued:
 
 
 @dataclass(frozen=True)
+class RunLimited:
+    """An operator's limit held a run of ``rule`` back (``limit``: its name and kind)."""
+
+    rule: str
+    limit: str
+
+
+@dataclass(frozen=True)
 class MessageRedelivered:
     """A run message was delivered again (its worker died, or it was requeued)."""
 
@@ -77,6 +85,7 @@ type Fact = (
     | TurnStarted
     | TurnsDrained
     | RunsEnqueued
+    | RunLimited
     | MessageRedelivered
 )
 type Observer = Callable[[Fact], None]

@@ -90,6 +90,12 @@ class _Instruments:
             "Agent turns that runs started.",
             registry=registry,
         )
+        self.runs_limited = Counter(
+            "relayr_runs_limited",
+            "Runs an operator's limit held back from starting, by rule and limit.",
+            ["rule", "limit"],
+            registry=registry,
+        )
         self.turns_drained = Counter(
             "relayr_turns_drained",
             "Turns that ended within a stopping worker's grace period.",
@@ -136,6 +142,11 @@ def record_run(rule: str | None, outcome: str, duration_s: float | None = None) 
             metrics.attempt_duration.labels(rule=label).observe(max(duration_s, 0.0))
 
     _safely(record)
+
+
+def record_limited(rule: str, limit: str) -> None:
+    """Count one run that a limit (``limits.NAME``'s kind, ``triage/turns_per``) held back."""
+    _safely(lambda metrics: metrics.runs_limited.labels(rule=rule, limit=limit).inc())
 
 
 def record_dispatch_lag(lag_s: float) -> None:

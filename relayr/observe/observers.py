@@ -12,6 +12,7 @@ from relayr.observe.hooks import (
     MessageRedelivered,
     RunClaimed,
     RunEnded,
+    RunLimited,
     RunsEnqueued,
     TurnsDrained,
     TurnStarted,
@@ -46,6 +47,8 @@ def count(fact: Fact) -> None:
             metrics.record_turns_drained(drained)
         case RunsEnqueued(count=enqueued):
             metrics.record_enqueued(enqueued)
+        case RunLimited(rule=rule, limit=limit):
+            metrics.record_limited(rule, limit)
         case MessageRedelivered():
             metrics.record_redelivery()
 

@@ -36,6 +36,8 @@ class RunRow:
     updated_at: datetime
     fired_seq: int
     """The seq of the event that made the run's rule fire: its facts come after it."""
+    waiting: str | None = None
+    """Why an operator's limit holds the run back, and when it expects to go; None if none."""
 
     @classmethod
     def of(cls, ref: WorkspaceRef, run: Run) -> "RunRow":

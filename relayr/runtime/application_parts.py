@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from reflexr.workspace import Workspaces as RuleWorkspaces
     from sqlalchemy.ext.asyncio import AsyncEngine
 
+    from relayr.ledger.limits import LimitStore
+
 PARTS_ATTRIBUTE: Final = "relayr_parts"
 """Where :func:`with_parts` keeps a factory's parts: an attribute of the factory function."""
 
@@ -221,3 +223,22 @@ async def _built[P: (RulesPart, ArtifactsPart)](
             f"not the {part.__name__} it must return"
         )
     return built
+
+
+@asynccontextmanager
+async def opened_limits(settings: Settings) -> AsyncIterator[tuple[RuleWorkspaces, LimitStore]]:
+    """reflexr's workspaces of ``settings.app`` and the limits' counts in the same database
+    (in memory, so empty, for an application without one), for the block; closed after it.
+
+    Raises:
+        InvalidApplication: As :func:`opened_rules`.
+    """
+    from relayr.ledger.limits import InMemoryLimitStore, SqlLimitStore
+
+    declared = parts_of(load_factory(settings.app)).rules
+    opened = await _built(settings, "rules", declared, RulesPart)
+    store: LimitStore = SqlLimitStore(opened.engines[0]) if opened.engines else InMemoryLimitStore()
+    try:
+        yield opened.rules, store
+    finally:
+        await opened.aclose()

@@ -15,6 +15,7 @@ from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.agent import RunHandle, Runner
 
 from relayr.core.allowlist import Allowlists
+from relayr.ledger.limits import InMemoryLimitStore, LimitStore
 from relayr.ledger.port import Ledger
 from relayr.observe import hooks
 from relayr.observe.hooks import TurnStarted
@@ -100,6 +101,8 @@ class Bridge:
             a turn, whatever the allowlist says.
         clock: the time emission records are stamped with.
         app: the application's own dependencies, for its actions.
+        limits: the counts behind the operators' limits, shared by every worker (in the
+            application's database; in memory for an application with none).
     """
 
     artifacts: ArtifactWorkspaces
@@ -109,3 +112,4 @@ class Bridge:
     clock: Callable[[], datetime] = utc_now
     app: Any = None
     turns: StartedTurns = field(default_factory=StartedTurns)
+    limits: LimitStore = field(default_factory=InMemoryLimitStore)

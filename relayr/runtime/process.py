@@ -12,7 +12,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal, Self
 
@@ -21,7 +21,9 @@ from artifactr import SystemActor as ArtifactSystemActor
 from artifactr.agent import RunHandle, Runner, TurnContext
 
 from relayr.core.allowlist import Allowlists
+from relayr.core.run_messages import RunMessage
 from relayr.ledger import InMemoryLedger, Ledger, SqlLedger
+from relayr.ledger.limits import InMemoryLimitStore, LimitStore, SqlLimitStore
 from relayr.observe import observers
 from relayr.runtime.allowlist_file import AllowlistFile
 from relayr.runtime.application import Application, load_application
@@ -62,6 +64,9 @@ class Runtime:
         executing: The runs this process is executing now, as (tenant, workspace, run) ids. Its
             executors share one lease holder, so a second delivery of a run to the same
             process must be told apart here, not by the lease.
+        requeue: Hands runs to the queue from this process (a worker's, set by the task
+            shell): runs a limit held back go as soon as it frees them. None: the
+            dispatcher finds them due.
     """
 
     settings: Settings
@@ -72,6 +77,7 @@ class Runtime:
     allowlist_file: AllowlistFile | None = None
     recovered: list[RunHandle] = field(default_factory=list)
     executing: set[tuple[str, str, str]] = field(default_factory=set)
+    requeue: Callable[[RunMessage], Awaitable[None]] | None = None
     _closed: bool = False
 
     @classmethod
@@ -130,6 +136,7 @@ class Runtime:
             runner=runner,
             clock=application.rules.clock,
             app=application.app_deps,
+            limits=_open_limits(application),
         )
         runtime = cls(
             settings=settings,
@@ -252,6 +259,13 @@ def _traced_turns(settings: Settings, ledger: Ledger) -> TurnContext | None:
     from relayr.observe.otel import turn_context  # the SDK: only when tracing is on
 
     return turn_context(ledger)
+
+
+def _open_limits(application: Application) -> LimitStore:
+    """The limits' counts in the application's first engine's database, else in memory."""
+    if application.engines:
+        return SqlLimitStore(application.engines[0])
+    return InMemoryLimitStore()
 
 
 async def _open_ledger(application: Application) -> Ledger:

@@ -23,10 +23,12 @@ from relayr.broker import layout, queue_depth
 from relayr.broker.dead_letters import SET_ASIDE
 from relayr.broker.redis import dead_letter_list
 from relayr.cli.demo import run_scenario
+from relayr.core.run_messages import RunMessage
 from relayr.demo import Plan
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
+from tasks.runs import send_runs
 from tests.broker.broker_samples import GARBAGE, NOT_TASKS
 from tests.broker_app import Gated, gate_path
 from tests.services import forget_redis_queue
@@ -203,6 +205,34 @@ def test_a_worker_sigkilled_while_it_holds_a_message_gets_it_delivered_again(
     assert ended.id == running.id
     assert held_messages(settings) == []
     assert queue_depth(settings) == 0
+
+
+# ─── a message published is taken at once ─────────────────────────────────────
+
+
+def test_an_idle_embedded_worker_takes_a_message_without_waiting_for_its_poll(
+    tmp_path: Path,
+) -> None:
+    """The worker looks at its queue every 30 s only, and is woken by the notification that a
+    message landed: it takes the message well within a third of that (ADR-0095). A message
+    published right after the worker is ready would wait about 30 s for the poll."""
+    long_poll_s, within_s = 30.0, 10.0
+    environment = relayr_environment(tmp_path, broker_poll_interval_s=long_poll_s)
+    settings = Settings.from_env(environment)
+    app = create_celery(settings)
+    batch = RunMessage(tenant_id="acme", workspace_id="wake", run_ids=("fir_0000000000000001",))
+    try:
+        with running_worker(environment, tmp_path, concurrency=1) as worker:
+            send_runs(app, settings.queue, batch)
+            published = time.monotonic()
+            while queue_depth(settings) > 0:
+                assert time.monotonic() - published < within_s, worker.log()[-5000:]
+                time.sleep(0.02)
+            # and it ran: a run that does not exist is nothing to do
+            (line,) = wait_for(worker, lambda line: line.get("run_id") == batch.run_ids[0])
+    finally:
+        app.close()
+    assert line["outcome"] == "missing"
 
 
 # ─── remote control ───────────────────────────────────────────────────────────

@@ -127,6 +127,7 @@ def test_explain_as_json() -> None:
             "create_threads": {"value": False, "kind": "builtin", "key": None},
             "direct": {"value": ["timeline"], "kind": "namespace", "key": "namespaces.ops"},
         },
+        "limits": [],
     }
 
 

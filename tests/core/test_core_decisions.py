@@ -91,7 +91,8 @@ CLASSIFIED = [
     ("version_conflict", None, "version_conflict", True),
     ("forbidden", None, "forbidden", False),
     ("invalid_state", None, "invalid_state", False),
-    ("something_new", None, "something_new", False),
+    ("something_new", None, "rejected", False),
+    ("rejected", None, "rejected", False),
 ]
 
 
@@ -102,14 +103,15 @@ def test_classify(code: str, entity: str | None, reason: str, retried: bool) -> 
     )
 
     assert (refusal.reason, refusal.permanent) == (reason, not retried)
-    assert refusal.message == "posting notice msg_1: thread thr_x does not exist"
+    named = "" if reason == code or code == "not_found" else f" (artifactr's code {code})"
+    assert refusal.message == f"posting notice msg_1: thread thr_x does not exist{named}"
 
 
 def test_every_retried_refusal_and_every_known_code_is_in_the_one_list() -> None:
     assert RETRIED <= reasons.WRITE_REFUSALS
-    for code, _, reason, _ in CLASSIFIED[:-1]:
-        assert code in reasons.ALL or code == "thread_busy"
-        assert reason in reasons.ALL
+    for code, _, reason, _ in CLASSIFIED:
+        assert code in reasons.ALL or code == "something_new"
+        assert reason in reasons.WRITE_REFUSALS
 
 
 def test_a_storage_failure_is_retried_and_names_the_write() -> None:

@@ -35,12 +35,19 @@ BAD_RECORDS = [
     (without("emitted_at"), "MISSING_FIELD"),
     (changed(schema_version=2), "INVALID_SCHEMA_VERSION"),
     (changed(schema_version=True), "INVALID_SCHEMA_VERSION"),
-    (changed(run_id=""), "INVALID_FIELD"),
-    (changed(thread_id=7), "INVALID_FIELD"),
-    (changed(attempt=0), "INVALID_FIELD"),
-    (changed(attempt=True), "INVALID_FIELD"),
-    (changed(attempt="1"), "INVALID_FIELD"),
-    (changed(epoch=0), "INVALID_FIELD"),
+    (changed(rule=""), "INVALID_SENDER"),
+    (changed(rule="ops triage"), "INVALID_SENDER"),
+    (changed(run_id=""), "INVALID_CONTEXT"),
+    (changed(tenant_id=None), "INVALID_CONTEXT"),
+    (changed(attempt=0), "INVALID_CONTEXT"),
+    (changed(attempt=True), "INVALID_CONTEXT"),
+    (changed(attempt="1"), "INVALID_CONTEXT"),
+    (changed(epoch=0), "INVALID_CONTEXT"),
+    (changed(attempt=3, epoch=2), "INVALID_CONTEXT"),
+    (changed(thread_id=7), "INVALID_ORIGIN"),
+    (changed(thread_id="thr 1"), "INVALID_ORIGIN"),
+    (changed(message_id=""), "INVALID_PATH"),
+    (changed(message_id="msg\n1"), "INVALID_PATH"),
     (changed(kind="reply"), "INVALID_KIND"),
     (changed(policy="loud"), "INVALID_POLICY"),
     (changed(policy="notice"), "INVALID_POLICY"),
@@ -83,15 +90,34 @@ def test_the_published_schema_is_the_models() -> None:
     assert published.read_text() == json_schema()
 
 
-def test_the_schema_states_each_kinds_route_and_outcomes() -> None:
+def test_the_schema_states_each_kinds_outcomes_and_what_another_route_finds() -> None:
     schema = json.loads(json_schema())
 
     assert schema["additionalProperties"] is False
     assert set(schema["required"]) == FIELDS - {"schema_version"}
-    rules = {rule["if"]["properties"]["kind"]["const"]: rule["then"] for rule in schema["allOf"]}
-    assert rules["notice"]["properties"]["policy"] == {"const": "notice"}
-    assert "asked" not in rules["notice"]["properties"]["outcome"]["enum"]
-    assert rules["message"]["properties"]["policy"] == {"const": "turn"}
+    rules = [(rule["if"]["properties"], rule["then"]["properties"]) for rule in schema["allOf"]]
+    outcomes = {when["kind"]["const"]: then["outcome"] for when, then in rules if len(when) == 1}
+    assert "asked" not in outcomes["notice"]["enum"]
+    assert "asked" in outcomes["message"]["enum"]
+    other_routes = {
+        (when["kind"]["const"], when["policy"]["const"]): then["outcome"]
+        for when, then in rules
+        if len(when) == 2
+    }
+    assert other_routes == {
+        ("notice", "turn"): {"const": "already_posted"},
+        ("message", "notice"): {"const": "already_posted"},
+    }
+
+
+@pytest.mark.parametrize(("kind", "policy"), [("notice", "turn"), ("message", "notice")])
+def test_a_route_that_found_an_earlier_attempts_write_of_the_other_kind_is_recorded(
+    kind: str, policy: str
+) -> None:
+    """The route the allowlist decided (``policy``) beside what artifactr holds (``kind``)."""
+    record = validate_emission(changed(kind=kind, policy=policy, outcome="already_posted"))
+
+    assert (record.kind, record.policy) == (kind, policy)
 
 
 def test_a_record_built_invalid_is_refused_with_its_code() -> None:

@@ -383,7 +383,7 @@ async def test_artifacts_are_proposals_unless_direct_and_retries_make_each_once(
     for attempt in (3, 4):
         actions = await harness.attempt("ops:triage", thread, attempt)
         edited = await actions.edit(direct, "/text", "# timeline v2")
-    assert edited is None  # the second attempt finds the value in place
+    assert edited == direct  # the second attempt finds the first one's edit in the ledger
     assert (await handle.get(Timeline, direct)).version == 2
 
     actions = await harness.attempt("ops:triage", thread, 5)

@@ -3,8 +3,9 @@
 On real artifactr storage (in memory and SQLite) with a real Runner, through the harness of
 :mod:`tests.execution.test_actions`:
 
-- a retried ``post`` records what artifactr holds under its id, not the route the allowlist
-  gives now (it recorded ``message``/``turn``/``asked`` for a notice, and asked for a turn);
+- a retried ``post`` records what artifactr holds under its id as its kind, and the route the
+  allowlist decided as its policy (it recorded ``message``/``turn``/``asked`` for a notice, and
+  asked for a turn; then ``notice`` as the policy of a post the allowlist sent);
 - an edit of an archived artifact is refused ``artifact_archived`` (it returned the artifact's
   id as if it had written, having written nothing);
 - a storage error that outlasts relayr's retries fails the attempt ``storage_unavailable``
@@ -56,7 +57,7 @@ async def test_a_post_retried_after_turns_were_granted_records_the_notice_it_pos
     records = await harness.records(run_id)
     assert [(r.attempt, r.kind, r.policy, r.outcome) for r in records] == [
         (1, "notice", "notice", "posted"),
-        (2, "notice", "notice", "already_posted"),
+        (2, "notice", "turn", "already_posted"),
     ]
 
 
@@ -77,7 +78,7 @@ async def test_a_post_retried_after_turns_were_revoked_records_the_message_it_se
     records = await harness.records(run_id)
     assert [(r.attempt, r.kind, r.policy, r.outcome) for r in records] == [
         (1, "message", "turn", "posted"),
-        (2, "message", "turn", "already_posted"),
+        (2, "message", "notice", "already_posted"),
     ]
 
 

@@ -119,7 +119,7 @@ def test_a_batch_by_position_or_by_name() -> None:
 
 def test_every_outcome_of_the_executor_has_a_line() -> None:
     outcomes = set(get_args(RunOutcome.__value__))
-    assert len(outcomes) == 10
+    assert len(outcomes) == 11
     assert set(RUN_OUTCOME_LINES) == outcomes
     assert RUN_OUTCOME_LINES["not_due"] == (logging.INFO, "run not due: nothing to do")
     assert RUN_OUTCOME_LINES["contended"] == (

@@ -420,28 +420,3 @@ async def test_a_new_workspace_s_rules_start_at_its_first_bridged_event(world: W
     assert {name: p.cursor for name, p in progress.items()} == {
         name: 0 for name in world.runtime.application.rules.rules
     }
-
-
-async def test_a_follower_that_starts_mid_turn_finds_the_turn_s_start(world: World) -> None:
-    """A follower whose cursor is past a turn's ``run_started`` (it restarted there) reads the
-    thread back for it, so the reply and the turn's end still continue the rule's chain."""
-    thread = await world.thread()
-    await world.publish(Asked(thread_id=thread, text="status?"))
-    await world.settle(follow=False)
-    handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
-    [started] = [e for e in await handle.read() if e.event.type == "run_started"]
-    restarted = world.follower(holder="follower-2")
-    until = datetime.now(UTC) + timedelta(seconds=30)
-    assert await world.store.take(KEY, "follower-2", until=until, now=datetime.now(UTC)) == 0
-    assert await world.store.advance(KEY, "follower-2", started.seq, until=until)
-
-    done = await restarted.follow_all()
-
-    [ask] = await (await world.rules()).runs(rule="follow:ask")
-    turn = [e for e in await world.bridged() if e.event.author_kind == "agent"]  # type: ignore[attr-defined]
-    assert done.bridged == len(turn) == 2  # the reply and the turn's end
-    for envelope in turn:
-        assert envelope.causation is not None
-        assert (envelope.causation.run_id, envelope.depth) == (ask.id, 1)
-    [ended] = [e.event for e in turn if isinstance(e.event, TurnEnded)]
-    assert ended.message_ids == (ask.output["message_id"],)  # type: ignore[index]

@@ -41,6 +41,7 @@ from relayr.cli.processes import relayr_command
 from relayr.follow import store as follow_store
 from relayr.follow.store import SqlFollowStore
 from relayr.ledger import SqlLedger
+from relayr.ledger import limits as limit_store
 from relayr.ledger import sql as ledger_sql
 from relayr.ledger.port import Cause, WorkspaceKey
 from relayr.runtime.application import create_engine
@@ -55,7 +56,7 @@ PROCESS_TIMEOUT_S = 120
 def code_tables() -> MetaData:
     """Every table relayr's code reads and writes, in one MetaData."""
     tables = MetaData()
-    for source in (ledger_sql.metadata, follow_store.metadata):
+    for source in (ledger_sql.metadata, follow_store.metadata, limit_store.metadata):
         for table in source.tables.values():
             table.to_metadata(tables)
     return tables

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from relayr.observe import metrics
+from relayr.observe import metrics, observers
+from relayr.observe.hooks import RunLimited
 from tests.observe.metrics_probes import sample, scrape
 
 EXPECTED = {
@@ -26,6 +27,7 @@ EXPECTED = {
     "relayr_runs_enqueued": ("counter", ()),
     "relayr_turns_started": ("counter", ()),
     "relayr_turns_drained": ("counter", ()),
+    "relayr_runs_limited": ("counter", ("rule", "limit")),
 }
 
 
@@ -124,6 +126,13 @@ def test_refusals_redeliveries_enqueues_and_turns_are_counted() -> None:
         before = value(name, **labels)
         record()
         assert value(name, **labels) == before + steps[name], name
+
+
+def test_a_run_a_limit_holds_back_is_counted_by_rule_and_limit() -> None:
+    labels = {"rule": "ops:r1", "limit": "triage/turns_per"}
+    before = value("relayr_runs_limited_total", **labels)
+    observers.count(RunLimited("ops:r1", "triage/turns_per"))  # what the runtime subscribes
+    assert value("relayr_runs_limited_total", **labels) == before + 1
 
 
 def test_no_turns_drained_adds_nothing() -> None:

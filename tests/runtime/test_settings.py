@@ -228,7 +228,20 @@ def test_the_embedded_broker_s_options_name_its_folder_in_the_home(tmp_path: Pat
     settings = Settings.from_env({"RELAYR_HOME": str(tmp_path / "home")})
 
     # the transport makes its layout there when it first connects (relayr.broker.layout)
-    assert settings.broker_transport_options() == {"folder": str(tmp_path / "home" / "broker")}
+    assert settings.broker_transport_options() == {
+        "folder": str(tmp_path / "home" / "broker"),
+        "polling_interval": 0.05,
+    }
+
+
+def test_the_embedded_broker_s_polling_interval_is_a_setting(tmp_path: Path) -> None:
+    settings = Settings.from_env(
+        {"RELAYR_HOME": str(tmp_path), "RELAYR_BROKER_POLL_INTERVAL_S": "30"}
+    )
+
+    assert settings.broker_transport_options()["polling_interval"] == 30.0
+    with pytest.raises(InvalidSettings, match="RELAYR_BROKER_POLL_INTERVAL_S"):
+        Settings.from_env({"RELAYR_BROKER_POLL_INTERVAL_S": "0"})
 
 
 def test_memory_transport_needs_no_options() -> None:

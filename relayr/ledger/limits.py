@@ -1,0 +1,602 @@
+"""The counts behind the operators' limits, shared by every worker: in SQL or in memory.
+
+What each limit kind counts is decided in :mod:`relayr.core.limits`; this module keeps the
+counts and decides on them atomically. :meth:`LimitStore.admit` checks every limit that binds a
+run and, only if all of them allow it, takes what the run uses, in one transaction: an in-flight
+slot (held under a lease that its holder renews, so a dead worker's slot is free again when its
+lease lapses) or a use of a window (kept, by the run and attempt that made it, as long as the
+longest window). A run refused is recorded as waiting, with the limit and when it expects to go,
+for people (``relayr runs list``, ``relayr limits``); releasing a slot names the runs that wait
+for it, oldest first, so the releaser can wake them.
+
+SQL: one transaction per call, on the application's database, in relayr's own tables (made by
+relayr's migrations, brought to head before the first call, as the ledger's are). Two
+admissions into one limit never interleave: on PostgreSQL each transaction locks the limits'
+rows (``SELECT ... FOR UPDATE``, in one order, so never a deadlock); on SQLite every write
+transaction takes the file's lock first (``BEGIN IMMEDIATE``). The engine is shared, and on
+SQLite it has one connection: never call the store while holding a connection of the same
+engine.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    delete,
+    func,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from relayr.core.limits import MAX_WINDOW, LimitKind, Rate, window_admits
+from relayr.ledger.sql import SqlStore
+
+
+@dataclass(frozen=True, order=True)
+class RunKey:
+    """A run, as the limits know it: ``tenant/workspace/run``."""
+
+    tenant_id: str
+    workspace_id: str
+    run_id: str
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}/{self.workspace_id}/{self.run_id}"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One bound a run must fit in: ``bucket`` is what is counted together (a limit's name and
+    kind, and a chain's correlation id for ``chain_runs_per``); ``use`` the key its use of a
+    window is counted once under (the run), with ``amount`` (0 for ``tokens_per``: the row only
+    says which token windows the run's turns count in as they end,
+    :meth:`LimitStore.turn_ended`)."""
+
+    limit: str
+    kind: LimitKind
+    bucket: str
+    bound: int | Rate
+    use: str | None
+    amount: int = 1
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.bound} of limits.{self.limit}"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a run may not start now, and when it expects to (None: when a slot is freed)."""
+
+    check: Check
+    next_at: datetime | None
+
+    def describe(self) -> str:
+        when = "" if self.next_at is None else f", next at {self.next_at.isoformat()}"
+        return f"waiting: {self.check.describe()}{when}"
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A run the limits hold back: by which limit, since when, and when it expects to go."""
+
+    run: RunKey
+    limit: str
+    kind: str
+    bound: str
+    since: datetime
+    next_at: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "limit": self.limit,
+            "kind": self.kind,
+            "bound": self.bound,
+            "since": self.since.isoformat(),
+            "next_at": None if self.next_at is None else self.next_at.isoformat(),
+        }
+
+    def describe(self) -> str:
+        """``waiting: turns_per 20/1m of limits.triage, next at 2026-...``, as ops read it."""
+        when = (
+            "until a slot is free"
+            if self.next_at is None
+            else f"next at {self.next_at.isoformat()}"
+        )
+        return f"waiting: {self.kind} {self.bound} of limits.{self.limit}, {when}"
+
+
+@dataclass(frozen=True)
+class Use:
+    """How much of one bucket is used now."""
+
+    bucket: str
+    kind: str
+    used: int
+    waiting: int
+
+
+class LimitStore(Protocol):
+    """The counts behind the limits; every call is atomic across every process."""
+
+    async def admit(
+        self, run: RunKey, checks: Sequence[Check], *, now: datetime, lease_until: datetime
+    ) -> Refusal | None:
+        """Take what the run uses if every check allows it (None), else nothing (a refusal,
+        and the run is recorded as waiting). Admitting an attempt again takes nothing more."""
+        ...
+
+    async def release(self, run: RunKey, *, kinds: Sequence[LimitKind] = ()) -> list[RunKey]:
+        """Free the run's in-flight slots (of ``kinds``, or all); return the runs waiting on
+        their buckets, oldest first."""
+        ...
+
+    async def renew(
+        self, run: RunKey, *, lease_until: datetime, kinds: Sequence[LimitKind] = ()
+    ) -> None:
+        """Keep the run's slots (of ``kinds``, or all) until ``lease_until``."""
+        ...
+
+    async def turn_ended(
+        self, run: RunKey, turn_id: str, tokens: int, at: datetime
+    ) -> list[RunKey]:
+        """A turn the run started ended: free its ``turns_in_flight`` slots and count the
+        turn's ``tokens`` in the run's token windows, once per turn; return the runs waiting on
+        the limits whose slots were freed, oldest first."""
+        ...
+
+    async def waiting(self, runs: Sequence[RunKey] | None = None) -> list[Waiting]:
+        """The runs recorded as waiting (of ``runs``, or all), oldest first."""
+        ...
+
+    async def forget_waiting(self, runs: Sequence[RunKey]) -> None:
+        """Stop recording these runs as waiting (they finished, or were woken)."""
+        ...
+
+    async def usage(self, *, now: datetime, windows: dict[str, timedelta]) -> list[Use]:
+        """Each bucket's use now: slots held, or the sum over its window (``windows`` by bucket)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+# --- in memory -----------------------------------------------------------------------------
+
+
+@dataclass
+class InMemoryLimitStore:
+    """The store's contract in one process's memory (tests, and the in-memory application)."""
+
+    slots: dict[tuple[str, RunKey], tuple[LimitKind, datetime]] = field(default_factory=dict)
+    uses: dict[tuple[str, str], tuple[LimitKind, datetime, int]] = field(default_factory=dict)
+    waits: dict[RunKey, Waiting] = field(default_factory=dict)
+    now: datetime | None = None
+
+    def _held(self, bucket: str, now: datetime, run: RunKey) -> int:
+        return sum(
+            1
+            for (held_bucket, holder), (_, until) in self.slots.items()
+            if held_bucket == bucket and until > now and holder != run
+        )
+
+    def _used(self, bucket: str) -> list[tuple[datetime, int]]:
+        return sorted(
+            (at, amount)
+            for (used_bucket, _), (_, at, amount) in self.uses.items()
+            if used_bucket == bucket
+        )
+
+    async def admit(
+        self, run: RunKey, checks: Sequence[Check], *, now: datetime, lease_until: datetime
+    ) -> Refusal | None:
+        for check in checks:
+            refusal = self._refusal(run, check, now)
+            if refusal is not None:
+                self._wait(run, refusal, now)
+                return refusal
+        for check in checks:
+            if isinstance(check.bound, int):
+                self.slots[(check.bucket, run)] = (check.kind, lease_until)
+            elif check.use is not None:
+                self.uses.setdefault((check.bucket, check.use), (check.kind, now, check.amount))
+        self.waits.pop(run, None)
+        return None
+
+    def _refusal(self, run: RunKey, check: Check, now: datetime) -> Refusal | None:
+        if isinstance(check.bound, int):
+            if (check.bucket, run) in self.slots or self._held(
+                check.bucket, now, run
+            ) < check.bound:
+                return None
+            return Refusal(check, None)
+        if check.use is not None and (check.bucket, check.use) in self.uses:
+            return None
+        fits, next_at = window_admits(self._used(check.bucket), check.bound, 1, now)
+        return None if fits else Refusal(check, next_at)
+
+    def _wait(self, run: RunKey, refusal: Refusal, now: datetime) -> None:
+        since = self.waits[run].since if run in self.waits else now
+        check = refusal.check
+        self.waits[run] = Waiting(
+            run, check.limit, check.kind, str(check.bound), since, refusal.next_at
+        )
+
+    async def release(self, run: RunKey, *, kinds: Sequence[LimitKind] = ()) -> list[RunKey]:
+        freed = {
+            bucket
+            for (bucket, holder), (kind, _) in self.slots.items()
+            if holder == run and (not kinds or kind in kinds)
+        }
+        for bucket in freed:
+            del self.slots[(bucket, run)]
+        return self._waiting_on({bucket.rsplit("/", 1)[0] for bucket in freed})
+
+    def _waiting_on(self, limits: set[str]) -> list[RunKey]:
+        found = [wait for wait in self.waits.values() if wait.limit in limits]
+        return [wait.run for wait in sorted(found, key=lambda wait: (wait.since, wait.run))]
+
+    async def renew(
+        self, run: RunKey, *, lease_until: datetime, kinds: Sequence[LimitKind] = ()
+    ) -> None:
+        for key, (kind, _) in list(self.slots.items()):
+            if key[1] == run and (not kinds or kind in kinds):
+                self.slots[key] = (kind, lease_until)
+
+    async def turn_ended(
+        self, run: RunKey, turn_id: str, tokens: int, at: datetime
+    ) -> list[RunKey]:
+        for (bucket, use), (kind, _, _) in list(self.uses.items()):
+            if use == str(run) and kind == "tokens_per":
+                self.uses.setdefault((bucket, f"turn:{turn_id}"), (kind, at, tokens))
+        return await self.release(run, kinds=("turns_in_flight",))
+
+    async def waiting(self, runs: Sequence[RunKey] | None = None) -> list[Waiting]:
+        found = [wait for wait in self.waits.values() if runs is None or wait.run in runs]
+        return sorted(found, key=lambda wait: (wait.since, wait.run))
+
+    async def forget_waiting(self, runs: Sequence[RunKey]) -> None:
+        for run in runs:
+            self.waits.pop(run, None)
+
+    async def usage(self, *, now: datetime, windows: dict[str, timedelta]) -> list[Use]:
+        buckets: dict[str, Use] = {}
+        for (bucket, _), (kind, until) in self.slots.items():
+            if until > now:
+                old = buckets.get(bucket, Use(bucket, kind, 0, 0))
+                buckets[bucket] = Use(bucket, kind, old.used + 1, 0)
+        for (bucket, _), (kind, at, amount) in self.uses.items():
+            window = windows.get(bucket)
+            if window is not None and at > now - window:
+                old = buckets.get(bucket, Use(bucket, kind, 0, 0))
+                buckets[bucket] = Use(bucket, kind, old.used + amount, 0)
+        return _with_waiting(buckets, self.waits.values())
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _with_waiting(buckets: dict[str, "Use"], waits: Any) -> list[Use]:
+    counts: dict[str, int] = {}
+    for wait in waits:
+        bucket = f"{wait.limit}/{wait.kind}"
+        counts[bucket] = counts.get(bucket, 0) + 1
+        buckets.setdefault(bucket, Use(bucket, wait.kind, 0, 0))
+    return [
+        Use(use.bucket, use.kind, use.used, counts.get(bucket, 0))
+        for bucket, use in sorted(buckets.items())
+    ]
+
+
+# --- SQL -----------------------------------------------------------------------------------
+
+metadata = MetaData()
+
+locks_table = Table(
+    "relayr_limit_locks",
+    metadata,
+    Column("bucket", Text, primary_key=True),
+)
+
+slots_table = Table(
+    "relayr_limit_slots",
+    metadata,
+    Column("bucket", Text, primary_key=True),
+    Column("holder", Text, primary_key=True),
+    Column("kind", Text, nullable=False),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+)
+
+uses_table = Table(
+    "relayr_limit_uses",
+    metadata,
+    Column(
+        "position",
+        BigInteger().with_variant(Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    Column("bucket", Text, nullable=False),
+    Column("use", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("at", DateTime(timezone=True), nullable=False),
+    Column("amount", BigInteger, nullable=False),
+    UniqueConstraint("bucket", "use", name="relayr_limit_uses_once"),
+)
+
+waits_table = Table(
+    "relayr_limit_waits",
+    metadata,
+    Column("tenant_id", Text, primary_key=True),
+    Column("workspace_id", Text, primary_key=True),
+    Column("run_id", Text, primary_key=True),
+    Column("limit_name", Text, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("bound", Text, nullable=False),
+    Column("since", DateTime(timezone=True), nullable=False),
+    Column("next_at", DateTime(timezone=True), nullable=True),
+)
+
+
+class SqlLimitStore(SqlStore):
+    """The limits' counts in SQLite or PostgreSQL (see the module)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine, refusal="the limits keep their counts")
+
+    async def admit(
+        self, run: RunKey, checks: Sequence[Check], *, now: datetime, lease_until: datetime
+    ) -> Refusal | None:
+        holder = str(run)
+        async with self._transaction() as connection:
+            await self._lock(connection, sorted({check.bucket for check in checks}))
+            for check in checks:
+                refusal = await self._refusal(connection, holder, check, now)
+                if refusal is not None:
+                    await self._wait(connection, run, refusal, now)
+                    return refusal
+            for check in checks:
+                if isinstance(check.bound, int):
+                    statement = self._insert(slots_table).values(
+                        bucket=check.bucket, holder=holder, kind=check.kind, expires_at=lease_until
+                    )
+                    await connection.execute(
+                        statement.on_conflict_do_update(
+                            index_elements=["bucket", "holder"],
+                            set_={"expires_at": lease_until},
+                        )
+                    )
+                elif check.use is not None:
+                    await connection.execute(
+                        self._insert(uses_table)
+                        .values(
+                            bucket=check.bucket,
+                            use=check.use,
+                            kind=check.kind,
+                            at=now,
+                            amount=check.amount,
+                        )
+                        .on_conflict_do_nothing(index_elements=["bucket", "use"])
+                    )
+            await connection.execute(delete(waits_table).where(*_is_run(waits_table, run)))
+            await connection.execute(delete(uses_table).where(uses_table.c.at < now - MAX_WINDOW))
+        return None
+
+    async def _lock(self, connection: AsyncConnection, buckets: Sequence[str]) -> None:
+        if not buckets:
+            return
+        await connection.execute(
+            self._insert(locks_table)
+            .values([{"bucket": bucket} for bucket in buckets])
+            .on_conflict_do_nothing(index_elements=["bucket"])
+        )
+        if self._dialect == "postgresql":
+            await connection.execute(
+                select(locks_table.c.bucket)
+                .where(locks_table.c.bucket.in_(buckets))
+                .order_by(locks_table.c.bucket)
+                .with_for_update()
+            )
+
+    async def _refusal(
+        self, connection: AsyncConnection, holder: str, check: Check, now: datetime
+    ) -> Refusal | None:
+        if isinstance(check.bound, int):
+            slots = slots_table.c
+            mine = await connection.scalar(
+                select(func.count()).where(slots.bucket == check.bucket, slots.holder == holder)
+            )
+            if mine:
+                return None
+            held = await connection.scalar(
+                select(func.count()).where(slots.bucket == check.bucket, slots.expires_at > now)
+            )
+            return None if (held or 0) < check.bound else Refusal(check, None)
+        uses = uses_table.c
+        if check.use is not None:
+            counted = await connection.scalar(
+                select(func.count()).where(uses.bucket == check.bucket, uses.use == check.use)
+            )
+            if counted:
+                return None
+        rows = await connection.execute(
+            select(uses.at, uses.amount)
+            .where(uses.bucket == check.bucket, uses.at > now - check.bound.window)
+            .order_by(uses.at)
+        )
+        used = [(_aware(at), int(amount)) for at, amount in rows.all()]
+        fits, next_at = window_admits(used, check.bound, 1, now)
+        return None if fits else Refusal(check, next_at)
+
+    async def _wait(
+        self, connection: AsyncConnection, run: RunKey, refusal: Refusal, now: datetime
+    ) -> None:
+        check = refusal.check
+        values = {
+            "limit_name": check.limit,
+            "kind": check.kind,
+            "bound": str(check.bound),
+            "next_at": refusal.next_at,
+        }
+        statement = self._insert(waits_table).values(
+            tenant_id=run.tenant_id,
+            workspace_id=run.workspace_id,
+            run_id=run.run_id,
+            since=now,
+            **values,
+        )
+        await connection.execute(
+            statement.on_conflict_do_update(
+                index_elements=["tenant_id", "workspace_id", "run_id"], set_=values
+            )
+        )
+
+    async def release(self, run: RunKey, *, kinds: Sequence[LimitKind] = ()) -> list[RunKey]:
+        slots = slots_table.c
+        where = [slots.holder == str(run)]
+        if kinds:
+            where.append(slots.kind.in_(kinds))
+        async with self._transaction() as connection:
+            freed = (
+                await connection.execute(delete(slots_table).where(*where).returning(slots.bucket))
+            ).all()
+            limits = sorted({bucket.rsplit("/", 1)[0] for (bucket,) in freed})
+            if not limits:
+                return []
+            waits = waits_table.c
+            rows = await connection.execute(
+                select(waits.tenant_id, waits.workspace_id, waits.run_id)
+                .where(waits.limit_name.in_(limits))
+                .order_by(waits.since, waits.tenant_id, waits.workspace_id, waits.run_id)
+            )
+            return [RunKey(*row) for row in rows.all()]
+
+    async def renew(
+        self, run: RunKey, *, lease_until: datetime, kinds: Sequence[LimitKind] = ()
+    ) -> None:
+        where = [slots_table.c.holder == str(run)]
+        if kinds:
+            where.append(slots_table.c.kind.in_(kinds))
+        async with self._transaction() as connection:
+            await connection.execute(
+                update(slots_table).where(*where).values(expires_at=lease_until)
+            )
+
+    async def turn_ended(
+        self, run: RunKey, turn_id: str, tokens: int, at: datetime
+    ) -> list[RunKey]:
+        uses = uses_table.c
+        async with self._transaction() as connection:
+            buckets = await connection.execute(
+                select(uses.bucket).where(uses.use == str(run), uses.kind == "tokens_per")
+            )
+            rows = [
+                {
+                    "bucket": bucket,
+                    "use": f"turn:{turn_id}",
+                    "kind": "tokens_per",
+                    "at": at,
+                    "amount": tokens,
+                }
+                for (bucket,) in buckets.all()
+            ]
+            if rows:
+                await connection.execute(
+                    self._insert(uses_table)
+                    .values(rows)
+                    .on_conflict_do_nothing(index_elements=["bucket", "use"])
+                )
+        return await self.release(run, kinds=("turns_in_flight",))
+
+    async def waiting(self, runs: Sequence[RunKey] | None = None) -> list[Waiting]:
+        waits = waits_table.c
+        query = select(waits_table).order_by(
+            waits.since, waits.tenant_id, waits.workspace_id, waits.run_id
+        )
+        if runs is not None:
+            if not runs:
+                return []
+            query = query.where(
+                tuple_(waits.tenant_id, waits.workspace_id, waits.run_id).in_(
+                    [(r.tenant_id, r.workspace_id, r.run_id) for r in runs]
+                )
+            )
+        async with self._transaction() as connection:
+            rows = (await connection.execute(query)).all()
+        return [
+            Waiting(
+                RunKey(row.tenant_id, row.workspace_id, row.run_id),
+                row.limit_name,
+                row.kind,
+                row.bound,
+                _aware(row.since),
+                None if row.next_at is None else _aware(row.next_at),
+            )
+            for row in rows
+        ]
+
+    async def forget_waiting(self, runs: Sequence[RunKey]) -> None:
+        if not runs:
+            return
+        async with self._transaction() as connection:
+            for run in runs:
+                await connection.execute(delete(waits_table).where(*_is_run(waits_table, run)))
+
+    async def usage(self, *, now: datetime, windows: dict[str, timedelta]) -> list[Use]:
+        slots, uses = slots_table.c, uses_table.c
+        buckets: dict[str, Use] = {}
+        async with self._transaction() as connection:
+            held = await connection.execute(
+                select(slots.bucket, slots.kind, func.count())
+                .where(slots.expires_at > now)
+                .group_by(slots.bucket, slots.kind)
+            )
+            for bucket, kind, count in held.all():
+                buckets[bucket] = Use(bucket, kind, int(count), 0)
+            for bucket, window in windows.items():
+                total = await connection.scalar(
+                    select(func.coalesce(func.sum(uses.amount), 0)).where(
+                        uses.bucket == bucket, uses.at > now - window
+                    )
+                )
+                kind = bucket.rsplit("/", 1)[-1]
+                buckets[bucket] = Use(bucket, kind, int(total or 0), 0)
+        return _with_waiting(buckets, await self.waiting())
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _is_run(table: Table, run: RunKey) -> tuple[Any, ...]:
+    return (
+        table.c.tenant_id == run.tenant_id,
+        table.c.workspace_id == run.workspace_id,
+        table.c.run_id == run.run_id,
+    )
+
+
+def _aware(at: datetime) -> datetime:
+    """SQLite gives times back without their zone: they were stored in UTC."""
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
+
+__all__ = [
+    "Check",
+    "InMemoryLimitStore",
+    "LimitStore",
+    "Refusal",
+    "RunKey",
+    "SqlLimitStore",
+    "Use",
+    "Waiting",
+]
