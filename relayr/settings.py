@@ -129,6 +129,16 @@ def _weights(value: object) -> dict[str, float]:
         raise PydanticCustomError("unusable", str(wrong)) from None
 
 
+def _trace_url(value: str) -> str:
+    if value and ("{trace_id}" not in value or not value.startswith(("http://", "https://"))):
+        raise PydanticCustomError(
+            "trace_url",
+            "give an http(s) URL with {trace_id} where the trace's id goes "
+            "(http://localhost:16686/trace/{trace_id})",
+        )
+    return value
+
+
 _Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 """A positive, finite number of seconds."""
 
@@ -183,6 +193,9 @@ class Settings(BaseSettings):
             the process's role (``relayr-worker``, ``relayr-dispatcher``, ``relayr-cli``).
         console_token: What ``relayr console`` asks before it lets someone act on runs
             (``RELAYR_CONSOLE_TOKEN``); without it the console only reads (ADR-0070).
+        trace_url: Where a trace is shown (``RELAYR_TRACE_URL``), ``{trace_id}`` standing for
+            its id (Jaeger: ``http://localhost:16686/trace/{trace_id}``): the console links a
+            run's attempts to their traces; empty, it shows their ids only.
     """
 
     model_config = SettingsConfigDict(env_prefix=PREFIX, frozen=True, extra="forbid")
@@ -213,6 +226,7 @@ class Settings(BaseSettings):
     otel_endpoint: Annotated[str, AfterValidator(_endpoint)] = ""
     otel_service_name: str = ""
     console_token: Annotated[SecretStr, AfterValidator(_console_token)] | None = None
+    trace_url: Annotated[str, AfterValidator(_trace_url)] = ""
 
     @classmethod
     def settings_customise_sources(

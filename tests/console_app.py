@@ -20,7 +20,14 @@ from relayr.runtime.application import Application, open_storage
 from relayr.settings import Settings
 from rules.example import TriageNote, triage_agent
 from tests.ops_app import RULES as OPS_RULES
-from tests.ops_app import BackupDue, BackupLost, backup_check, crash_send
+from tests.ops_app import (
+    BackupDue,
+    BackupLost,
+    DiskFull,
+    backup_check,
+    crash_send,
+    send_then_die,
+)
 
 HOSTILE_REASON = "<b>hostile</b>"
 """The reason ``console:hostile`` fails with: markup, which the console must show as text."""
@@ -59,9 +66,14 @@ async def create_console_app(settings: Settings) -> Application:
     return Application(
         artifacts=ArtifactWorkspaces(storage.artifacts, types=[TriageNote]),
         rules=RuleWorkspaces(
-            storage.rules, events=[BackupDue, BackupLost, HostileDue], rules=RULES
+            storage.rules, events=[BackupDue, BackupLost, DiskFull, HostileDue], rules=RULES
         ),
-        actions={"backup_check": backup_check, "crash_send": crash_send, "hostile": hostile},
+        actions={
+            "backup_check": backup_check,
+            "crash_send": crash_send,
+            "send_then_die": send_then_die,
+            "hostile": hostile,
+        },
         agent=triage_agent(0.0),
         app_deps=settings.home.resolve(),
         engines=storage.engines,

@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,7 +151,10 @@ class Client:
         return self._send(urllib.request.Request(url, headers=dict(headers or {})))
 
     def post(
-        self, url: str, form: Mapping[str, str], headers: Mapping[str, str] | None = None
+        self,
+        url: str,
+        form: Mapping[str, str] | Sequence[tuple[str, str]],
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[int, str, Any]:
         body = urllib.parse.urlencode(form).encode()
         request = urllib.request.Request(url, data=body, headers=dict(headers or {}))

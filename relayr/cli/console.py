@@ -51,6 +51,9 @@ HOST_NAME: Final = re.compile(
 )
 """A DNS name as a ``Host`` header carries it (lower case, no port, no trailing dot)."""
 
+HEADER_NAME: Final = re.compile(r"[a-z0-9][a-z0-9-]{0,99}")
+"""An HTTP header's name, as ``--operator-header`` takes it."""
+
 
 @click.command("console")
 @click.option(
@@ -82,12 +85,24 @@ HOST_NAME: Final = re.compile(
     "is Secure, so a browser never sends it in clear.",
 )
 @click.option(
+    "--operator-header",
+    metavar="HEADER",
+    help="A request header a trusted proxy in front names the person in (X-Forwarded-User): "
+    "actions are recorded under that name, and refused without it. Only behind a proxy that "
+    "sets it and strips it from clients; unset, actions are recorded under the token's name.",
+)
+@click.option(
     "--probe",
     is_flag=True,
     help="Do not serve: exit 0 if the console at --host/--port answers /healthz, else 1.",
 )
 def console(
-    host: str, port: int, allowed_hosts: tuple[str, ...], https_only: bool, probe: bool
+    host: str,
+    port: int,
+    allowed_hosts: tuple[str, ...],
+    https_only: bool,
+    operator_header: str | None,
+    probe: bool,
 ) -> None:
     """Serve the ops console: runs, a run, threads, the allowlist, health; actions with a token.
 
@@ -99,6 +114,7 @@ def console(
         return
     require_the_extra()
     hosts = parse_allowed_hosts(allowed_hosts)
+    header = parse_operator_header(operator_header)
     settings = load_settings(log_level="INFO")
     if settings.console_token is None:
         access = "read-only: RELAYR_CONSOLE_TOKEN is not set"
@@ -106,7 +122,7 @@ def console(
         access = "actions for whoever logs in with RELAYR_CONSOLE_TOKEN"
     listener = _listen(host, port)
     try:
-        _serve(settings, listener, access, hosts, https_only)
+        _serve(settings, listener, access, hosts, https_only, header)
     finally:
         listener.close()
 
@@ -152,12 +168,27 @@ def parse_allowed_hosts(values: Sequence[str]) -> frozenset[str] | None:
     return frozenset(names)
 
 
+def parse_operator_header(value: str | None) -> str | None:
+    """``--operator-header``'s name, lower case; None when not given.
+
+    Raises:
+        BadInput: When it is not a header's name.
+    """
+    if value is None:
+        return None
+    name = value.strip().lower()
+    if not HEADER_NAME.fullmatch(name):
+        fail(f"--operator-header {value!r} is not a header name (X-Forwarded-User)")
+    return name
+
+
 def _serve(
     settings: "Settings",
     listener: socket.socket,
     access: str,
     hosts: frozenset[str] | None,
     https_only: bool,
+    operator_header: str | None = None,
 ) -> None:
     """Serve the console on ``listener`` until Ctrl-C or SIGTERM."""
     loopback = _is_loopback(listener)
@@ -186,7 +217,15 @@ def _serve(
             def capture_signals(self) -> Iterator[None]:
                 yield
 
-        app = create_app(Console(runtime, enqueue, allowed_hosts=hosts, https_only=https_only))
+        app = create_app(
+            Console(
+                runtime,
+                enqueue,
+                allowed_hosts=hosts,
+                https_only=https_only,
+                operator_header=operator_header,
+            )
+        )
         config = uvicorn.Config(
             app,
             lifespan="off",  # the runtime is this command's, opened before the server starts

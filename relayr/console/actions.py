@@ -6,23 +6,32 @@ preview (``--dead --dry-run``) then a confirmation that retries only the runs th
 and still dead.
 """
 
+import secrets
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
+from artifactr.core import NotFound as ArtifactNotFound
+from artifactr.core import Rejection as ArtifactRejection
+from reflexr import UserActor
+from reflexr.workspace import WorkspaceRef
+
+from relayr.core import reasons
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.rows import RunRow, list_runs
 from relayr.ops.runs import EnqueueRun, OperatorResult, cancel, find_runs, retry, skip
 from relayr.runtime.process import Runtime
 
 from .queries import RunQuery
+from .reads import READER, firing_events, rule_names
 
 BULK_RETRY_MAX: Final = 500
 """The most runs one confirmation retries: the preview lists them all in one page, and the
 confirmation's form carries each id. More wait for the next preview."""
 
-DEFAULT_CANCEL_REASON: Final = "cancelled by ops"
-"""The reason a cancel records when none is given: the command line's default."""
+KEPT_RESULTS: Final = 200
+"""How many actions' results a console keeps for their result pages (the newest)."""
 
 
 @dataclass(frozen=True)
@@ -37,56 +46,173 @@ class RunRef:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """What the preview says of retrying one dead run: it would be retried (``ok``), and whether
+    it will certainly fail again, and why."""
+
+    done: OperatorResult
+    row: RunRow | None
+    fails_again: str | None = None
+
+
+@dataclass(frozen=True)
 class Preview:
-    """What retrying the dead runs of a filter would do (``runs retry --dead --dry-run``)."""
+    """What retrying the dead runs of a filter would do (``runs retry --dead --dry-run``), with
+    the runs that will certainly fail again set apart, and the reasons the dead runs have."""
 
     query: RunQuery
-    results: list[OperatorResult]
+    verdicts: list[Verdict]
     more: int
     """Dead runs of the filter past :data:`BULK_RETRY_MAX`, left for the next preview."""
+    reasons: dict[str, int] = field(default_factory=dict)
+    """Every dead run of the filter but its reason's, by reason: to filter the preview by."""
+
+    @property
+    def results(self) -> list[OperatorResult]:
+        return [verdict.done for verdict in self.verdicts]
 
     @property
     def retried(self) -> list[OperatorResult]:
-        """The runs a confirmation would retry."""
-        return [result for result in self.results if result.ok]
+        """The runs a confirmation would retry: those that may succeed."""
+        return [v.done for v in self.verdicts if v.done.ok and v.fails_again is None]
+
+    @property
+    def doomed(self) -> list[Verdict]:
+        """The runs that would be retried but will certainly fail again."""
+        return [v for v in self.verdicts if v.done.ok and v.fails_again is not None]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One action's results, kept for its result page (post/redirect/get): the page reads each
+    run's state again when it is shown, so it follows the runs to their end."""
+
+    action: str
+    who: str
+    results: list[OperatorResult]
+    problem: str | None
+    back: str
+
+
+class Outcomes:
+    """The newest :data:`KEPT_RESULTS` actions' results of this console process, by a random
+    key the action redirects to: reloading the result page shows them again and acts never."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[str, Outcome] = OrderedDict()
+
+    def keep(self, outcome: Outcome) -> str:
+        key = secrets.token_urlsafe(16)
+        self._kept[key] = outcome
+        while len(self._kept) > KEPT_RESULTS:
+            self._kept.popitem(last=False)
+        return key
+
+    def get(self, key: str) -> Outcome | None:
+        return self._kept.get(key)
 
 
 async def retry_one(
-    runtime: Runtime, enqueue: EnqueueRun, run_id: str, workspace: WorkspaceKey | None
+    runtime: Runtime,
+    enqueue: EnqueueRun,
+    run_id: str,
+    workspace: WorkspaceKey | None,
+    *,
+    actor: UserActor,
 ) -> list[OperatorResult]:
     """``relayr runs retry RUN``: reflexr's operator retry, then an enqueue."""
     rules = runtime.application.rules
     found, missing = await _find(runtime, [(workspace, run_id)])
-    return [*missing, *await retry(rules, found, enqueue)]
+    return [*missing, *await retry(rules, found, enqueue, actor=actor)]
 
 
 async def cancel_one(
-    runtime: Runtime, run_id: str, workspace: WorkspaceKey | None, *, reason: str
+    runtime: Runtime,
+    run_id: str,
+    workspace: WorkspaceKey | None,
+    *,
+    reason: str,
+    actor: UserActor,
 ) -> list[OperatorResult]:
     """``relayr runs cancel RUN --reason R``."""
     found, missing = await _find(runtime, [(workspace, run_id)])
-    return [*missing, *await cancel(runtime.application.rules, found, reason=reason)]
+    return [
+        *missing,
+        *await cancel(runtime.application.rules, found, reason=reason, actor=actor),
+    ]
 
 
 async def skip_one(
-    runtime: Runtime, run_id: str, workspace: WorkspaceKey | None, *, reason: str
+    runtime: Runtime,
+    run_id: str,
+    workspace: WorkspaceKey | None,
+    *,
+    reason: str,
+    actor: UserActor,
 ) -> list[OperatorResult]:
     """``relayr runs skip RUN --reason R``."""
     found, missing = await _find(runtime, [(workspace, run_id)])
-    return [*missing, *await skip(runtime.application.rules, found, reason=reason)]
+    return [*missing, *await skip(runtime.application.rules, found, reason=reason, actor=actor)]
 
 
 async def preview_retry(runtime: Runtime, enqueue: EnqueueRun, query: RunQuery) -> Preview:
-    """``relayr runs retry --dead [--rule] [--workspace] [--since] --dry-run``: nothing changes."""
+    """``relayr runs retry --dead [filters] --dry-run``: nothing changes. Each run that would be
+    retried is checked for what makes it fail again for certain (:func:`fails_again`)."""
     rules = runtime.application.rules
-    dead = await list_runs(rules, query.run_filter(rules.clock(), limit=None))
+    run_filter = query.run_filter(rules.clock(), limit=None, known=rule_names(runtime))
+    dead = await list_runs(rules, run_filter)
+    unfiltered = dead
+    if query.reason is not None:
+        run_filter.reason = None
+        unfiltered = await list_runs(rules, run_filter)
+    counts: dict[str, int] = {}
+    for row in unfiltered:
+        counts[row.reason or "-"] = counts.get(row.reason or "-", 0) + 1
     taken = dead[:BULK_RETRY_MAX]
     results = await retry(rules, taken, enqueue, dry_run=True)
-    return Preview(query=query, results=results, more=len(dead) - len(taken))
+    verdicts = []
+    for row, done in zip(taken, results, strict=True):
+        why = await fails_again(runtime, row) if done.ok else None
+        verdicts.append(Verdict(done, row, why))
+    return Preview(
+        query=query,
+        verdicts=verdicts,
+        more=len(dead) - len(taken),
+        reasons=dict(sorted(counts.items(), key=lambda item: (-item[1], item[0]))),
+    )
+
+
+async def fails_again(runtime: Runtime, row: RunRow) -> str | None:
+    """Why a dead run will certainly fail again if retried now, or None when it may succeed.
+
+    A run whose events name no thread (``no_thread``) fails so again: its events do not change.
+    One that died because a thread it acts in does not exist (``thread_not_found``) fails again
+    while a thread its events name still does not exist.
+    """
+    if row.reason == reasons.NO_THREAD:
+        return "its events name no thread to act in, and they will not change"
+    if row.reason != reasons.THREAD_NOT_FOUND:
+        return None
+    rules = runtime.application.rules
+    ref = WorkspaceRef(row.tenant_id, row.workspace_id)
+    run = await rules.storage.run(ref, row.id)
+    if run is None:
+        return None
+    handle = await runtime.application.artifacts.open(row.tenant_id, row.workspace_id, actor=READER)
+    missing = []
+    for event in await firing_events(rules, ref, run.matched):
+        for thread_id in event.threads:
+            try:
+                await handle.thread(thread_id)
+            except (ArtifactNotFound, ArtifactRejection):
+                missing.append(thread_id)
+    if not missing:
+        return None
+    return f"thread {', '.join(sorted(set(missing)))} does not exist in {row.workspace}"
 
 
 async def confirm_retry(
-    runtime: Runtime, enqueue: EnqueueRun, refs: Sequence[RunRef]
+    runtime: Runtime, enqueue: EnqueueRun, refs: Sequence[RunRef], *, actor: UserActor
 ) -> list[OperatorResult]:
     """Retry the runs a preview listed that are still dead, as ``relayr runs retry RUN...``."""
     found, missing = await _find(runtime, [(ref.workspace, ref.run_id) for ref in refs])
@@ -98,7 +224,22 @@ async def confirm_retry(
         for row in found
         if row.status != "dead"
     ]
-    return [*missing, *moved, *await retry(runtime.application.rules, dead, enqueue)]
+    return [
+        *missing,
+        *moved,
+        *await retry(runtime.application.rules, dead, enqueue, actor=actor),
+    ]
+
+
+async def current_states(runtime: Runtime, results: Sequence[OperatorResult]) -> dict[str, RunRow]:
+    """Each run of an action's results as it is now, by ``workspace/id``."""
+    named = [
+        (WorkspaceKey(*result.workspace.split("/", 1)), result.run_id)
+        for result in results
+        if "/" in result.workspace
+    ]
+    found, _ = await _find(runtime, named)
+    return {f"{row.workspace}/{row.id}": row for row in found}
 
 
 async def _find(

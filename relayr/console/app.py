@@ -1,13 +1,36 @@
 """The console's ASGI app: server-rendered pages over the runtime, and the actions' POSTs.
 
-:func:`create_app` builds a Starlette app on a :class:`Console` (the process's one runtime, the
-enqueue ``relayr runs retry`` uses, the host names it answers to). Pages read
-(:mod:`relayr.console.reads`); actions (:mod:`relayr.console.actions`) need a logged-in session
-and a POST with its CSRF token (:mod:`relayr.console.security`, ADR-0070). Pages: ``/runs``,
-``/run``, ``/thread``, ``/allowlist``, ``/health``, ``/retry-dead``, ``/login``, ``/logout``, and
-``/healthz`` for probes.
+:func:`create_app` builds a Starlette app on a :class:`Console`: the process's one runtime
+(opened by ``relayr console`` in the loop uvicorn serves on, as every relayr process opens
+its own: ADR-0004), the enqueue ``relayr runs retry`` uses, the host names it answers to, and
+whether it is reached over HTTPS.
+Pages read (:mod:`relayr.console.reads`); actions change runs (:mod:`relayr.console.actions`)
+only for a logged-in session and only by a POST carrying its CSRF token
+(:mod:`relayr.console.security`, ADR-0070), its fields checked first
+(:mod:`relayr.console.forms`). Templates are Jinja2 with autoescape on, so nothing stored is
+ever rendered as markup; the pages carry no script (:mod:`relayr.console.rendering`).
+
+Pages:
+
+- ``/``: the overview: counts by status, rule and workspace, the last hours as a chart;
+- ``/runs``: runs across every workspace, filtered, sorted, paged by a cursor;
+- ``/run?id=&workspace=``: one run whole, with its actions and what people did to it;
+- ``/run/cancel``, ``/run/skip`` (GET): the confirmation of a cancel or a skip, with its reason;
+- ``/search?q=``: a run, event, thread, message or turn by id, or runs by their error's text;
+- ``/event?workspace=&seq=``: one event of a workspace's log;
+- ``/thread?workspace=&id=``: a thread's transcript, each message linked to its run;
+- ``/allowlist``: what every rule may do, and which entry said so;
+- ``/health``: heartbeats, broker, database, queue depth, followers and their dead letters;
+- ``/audit``: what people did to runs, newest first;
+- ``/retry-dead?...``: the preview of retrying a filter's dead runs, then its confirmation;
+- ``/done?key=``: an action's result, where every action's POST redirects (post/redirect/get);
+- ``/login``, ``/logout``; ``/healthz`` (``ok``, for probes; reads nothing); ``/favicon.ico``.
+
+Every page but the login's carries a health banner when something is unhealthy
+(:class:`HealthBanner`), and the overview and the lists refresh themselves unless paused.
 """
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -15,19 +38,27 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 import structlog
+from reflexr import UserActor
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import (
+    FileResponse,
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops.rows import AmbiguousRun
-from relayr.ops.runs import EnqueueRun, OperatorResult, not_enqueued
+from relayr.ops.audit import audit_trail
+from relayr.ops.rows import runs_with_id
+from relayr.ops.runs import EnqueueRun, OperatorResult, not_enqueued, operator
 from relayr.runtime.process import Runtime
 from relayr.settings import redact
 
@@ -41,8 +72,10 @@ from .forms import (
     run_ref,
     text,
 )
+from .overview import overview
 from .queries import BadQuery, RunQuery, href, parse_id, parse_workspace
 from .rendering import STATIC, templates
+from .search import parse_search, search
 from .security import (
     CSRF_FIELD,
     LOGGED_IN_AT,
@@ -65,6 +98,20 @@ logger = structlog.get_logger("relayr.console")
 type Endpoint = Callable[[Request], Awaitable[Response]]
 
 
+DEFAULT_TOKEN_NAME: Final = "console"
+"""The name of ``RELAYR_CONSOLE_TOKEN``'s holder, as actions record it (without an operator
+header)."""
+
+BANNER_TTL_S: Final = 5.0
+"""How long the health banner's checks are reused before they are made again: every page shows
+it, and a check reaches the broker and the database."""
+
+REFRESH_S: Final = 15
+"""How often a live page (the overview, the runs, an action's result) reloads itself."""
+
+FAVICON: Final = STATIC / "favicon.ico"
+
+
 @dataclass(frozen=True)
 class Console:
     """What the console runs on.
@@ -77,12 +124,15 @@ class Console:
             (:func:`relayr.console.security.answers_to`).
         https_only: Whether it is reached over HTTPS only (a proxy terminates TLS): its session
             cookie is then Secure, so a browser never sends it in clear.
+        operator_header: The request header a trusted proxy names the person in
+            (``--operator-header``); None: actions are recorded under the token's name.
     """
 
     runtime: Runtime
     enqueue: EnqueueRun
     allowed_hosts: frozenset[str] | None = field(default_factory=frozenset)
     https_only: bool = False
+    operator_header: str | None = None
 
     @property
     def token(self) -> str | None:
@@ -90,11 +140,30 @@ class Console:
         return None if secret is None else secret.get_secret_value()
 
 
+class HealthBanner:
+    """What is unhealthy now, for the banner every page shows: the health page's checks, made
+    at most once every :data:`BANNER_TTL_S` seconds."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._at = -BANNER_TTL_S
+        self._problems: list[str] = []
+
+    async def problems(self) -> list[str]:
+        now = time.monotonic()
+        if now - self._at >= BANNER_TTL_S:
+            self._problems = (await reads.health_page(self.runtime)).problems
+            self._at = time.monotonic()
+        return self._problems
+
+
 def create_app(console: Console) -> Starlette:
     """The console's app on ``console``'s runtime."""
     pages = templates()
     runtime = console.runtime
     token = console.token
+    outcomes = actions.Outcomes()
+    banner = HealthBanner(runtime)
 
     def logged_in(request: Request) -> bool:
         """Whether the request's session holds a login that has not expired; an expired one is
@@ -109,16 +178,59 @@ def create_app(console: Console) -> Starlette:
 
     def access(request: Request) -> dict[str, Any]:
         if token is None:
-            return {"mode": "read-only", "can_act": False, "csrf": ""}
+            return {"mode": "read-only", "can_act": False, "csrf": "", "who": ""}
         if logged_in(request):
-            return {"mode": "ops", "can_act": True, "csrf": request.session["csrf"]}
-        return {"mode": "visitor", "can_act": False, "csrf": ""}
+            return {
+                "mode": "ops",
+                "can_act": True,
+                "csrf": request.session["csrf"],
+                "who": operator_name(request),
+            }
+        return {"mode": "visitor", "can_act": False, "csrf": "", "who": ""}
 
-    def render(request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
+    def operator_name(request: Request) -> str:
+        """Who acts: the trusted proxy's header when the console was told to read one, else the
+        name of the token the session logged in with."""
+        if console.operator_header is not None:
+            return request.headers.get(console.operator_header, "").strip()
+        return str(request.session.get("operator") or DEFAULT_TOKEN_NAME)
+
+    def actor_of(request: Request) -> UserActor:
+        name = operator_name(request)
+        if not name:
+            raise HTTPException(
+                403,
+                f"refused: the request carries no {console.operator_header} header naming "
+                "the operator (the console was started with --operator-header)",
+            )
+        try:
+            return operator(name, via="console")
+        except ValueError as error:
+            raise HTTPException(403, f"refused: {error}") from None
+
+    async def render(
+        request: Request,
+        name: str,
+        status_code: int = 200,
+        *,
+        live: bool = False,
+        **context: Any,
+    ) -> Response:
         url = request.url
         here = f"{url.path}?{url.query}" if url.query and request.method == "GET" else url.path
+        paused = request.query_params.get("live") == "0"
+        problems = [] if name in ("login.html",) else await banner.problems()
         page = pages.get_template(name).render(
-            access=access(request), path=url.path, here=here, **context
+            access=access(request),
+            path=url.path,
+            here=here,
+            problems=problems,
+            live=live and not paused,
+            can_be_live=live,
+            live_link=_toggle_live(request, paused),
+            refresh_s=REFRESH_S,
+            as_of=datetime.now(UTC),
+            **context,
         )
         return HTMLResponse(page, status_code=status_code)
 
@@ -138,39 +250,79 @@ def create_app(console: Console) -> Starlette:
             )
         return form
 
-    async def acting_form(request: Request) -> FormData:
-        """:func:`checked_form`, for a logged-in session only."""
+    async def acting_form(request: Request) -> tuple[FormData, UserActor]:
+        """:func:`checked_form`, for a logged-in session only, and who acts."""
         form = await checked_form(request)
         if not logged_in(request):
             raise HTTPException(403, "refused: log in with the console's token to act")
-        return form
+        return form, actor_of(request)
 
     async def home(request: Request) -> Response:
-        return RedirectResponse("/runs", status_code=303)
+        figures, health = await asyncio.gather(overview(runtime), reads.health_page(runtime))
+        return await render(
+            request, "overview.html", title="Overview", page=figures, health=health, live=True
+        )
 
     async def healthz(request: Request) -> Response:
         return PlainTextResponse("ok\n")
 
+    async def favicon(request: Request) -> Response:
+        return FileResponse(FAVICON, media_type="image/x-icon")
+
     async def runs(request: Request) -> Response:
         query = RunQuery.parse(request.query_params)
         page = await reads.runs_page(runtime, query)
-        return render(request, "runs.html", title="Runs", page=page)
+        workspaces = await runtime.application.rules.storage.workspaces()
+        return await render(
+            request,
+            "runs.html",
+            title="Runs",
+            page=page,
+            rules=reads.rule_names(runtime),
+            workspaces=sorted({ref.tenant_id for ref in workspaces})
+            + [f"{ref.tenant_id}/{ref.workspace_id}" for ref in workspaces],
+            live=query.after is None,
+        )
 
     async def run(request: Request) -> Response:
         run_id, workspace = run_named(request.query_params)
-        try:
-            found = await reads.run_page(runtime, run_id, workspace)
-        except AmbiguousRun as error:
-            raise HTTPException(400, str(error)) from None
-        if found is None:
+        if workspace is None:
+            held = await runs_with_id(runtime.application.rules, run_id)
+            if len(held) > 1:
+                found = await search(runtime, run_id)
+                return await render(
+                    request, "search.html", title=f"Run {run_id}", found=found, ambiguous=True
+                )
+        found_run = await reads.run_page(runtime, run_id, workspace)
+        if found_run is None:
             where = f" in {workspace}" if workspace else ""
             raise HTTPException(404, f"no run {run_id}{where}")
-        return render(
+        return await render(
             request,
             "run.html",
             title=f"Run {run_id}",
-            page=found,
+            page=found_run,
             now=runtime.application.rules.clock(),
+        )
+
+    async def find(request: Request) -> Response:
+        query = parse_search(request.query_params.get("q"))
+        found = await search(runtime, query)
+        if len(found.hits) == 1 and not found.text:
+            return RedirectResponse(found.hits[0].link, status_code=303)
+        return await render(request, "search.html", title="Search", found=found, ambiguous=False)
+
+    async def event(request: Request) -> Response:
+        params = request.query_params
+        workspace = parse_workspace("workspace", params.get("workspace", ""))
+        seq_text = params.get("seq", "")
+        if not seq_text.isdigit() or int(seq_text) < 1:
+            raise BadQuery(f"seq {seq_text!r} is not a position in the log (1, 2, ...)")
+        found = await reads.event_page(runtime, workspace, int(seq_text))
+        if found is None:
+            raise HTTPException(404, f"no event at {seq_text} in {workspace}")
+        return await render(
+            request, "event.html", title=f"Event {found.id}", event=found, workspace=workspace
         )
 
     async def thread(request: Request) -> Response:
@@ -180,78 +332,113 @@ def create_app(console: Console) -> Starlette:
         found = await reads.thread_page(runtime, workspace, thread_id)
         if found is None:
             raise HTTPException(404, f"thread {thread_id} does not exist in {workspace}")
-        return render(request, "thread.html", title=f"Thread {thread_id}", thread=found)
+        return await render(request, "thread.html", title=f"Thread {thread_id}", thread=found)
 
     async def allowlist(request: Request) -> Response:
-        return render(
+        return await render(
             request, "allowlist.html", title="Allowlist", page=reads.allowlist_page(runtime)
         )
 
     async def health(request: Request) -> Response:
         page = await reads.health_page(runtime)
-        return render(request, "health.html", title="Health", page=page, now=datetime.now(UTC))
+        replayed = request.session.pop("replayed", None) if token is not None else None
+        return await render(
+            request, "health.html", title="Health", page=page, replayed=replayed, live=True
+        )
+
+    async def audit(request: Request) -> Response:
+        entries = await audit_trail(runtime.application.rules, limit=AUDIT_SHOWN)
+        return await render(request, "audit.html", title="Audit", entries=entries, live=True)
 
     async def login_form(request: Request) -> Response:
+        return await login_page(request, next_path(request.query_params.get("next")))
+
+    async def login_page(
+        request: Request, after: str, *, status_code: int = 200, error: str | None = None
+    ) -> Response:
         if token is None:
-            return render(
-                request,
-                "login.html",
-                title="Log in",
-                next=next_path(request.query_params.get("next")),
-            )
+            return await render(request, "login.html", title="Log in", next=after, error=error)
         request.session.setdefault("csrf", new_csrf_token())
-        return render(
+        return await render(
             request,
             "login.html",
+            status_code=status_code,
             title="Log in",
-            next=next_path(request.query_params.get("next")),
+            next=after,
             login_csrf=request.session["csrf"],
+            error=error,
         )
 
     async def login(request: Request) -> Response:
         form = await checked_form(request)
+        after = next_path(text(form, "next"))
         if not same_secret(text(form, "token"), token):
             logger.warning("console login refused", client=client(request))
-            raise HTTPException(403, "refused: that is not the console's token")
+            return await login_page(
+                request,
+                after,
+                status_code=403,
+                error="That is not the console's token: try again.",
+            )
         request.session.clear()
         request.session.update(
-            {"ops": True, "csrf": new_csrf_token(), LOGGED_IN_AT: int(time.time())}
+            {
+                "ops": True,
+                "csrf": new_csrf_token(),
+                LOGGED_IN_AT: int(time.time()),
+                "operator": DEFAULT_TOKEN_NAME,
+            }
         )
         logger.info("console login", client=client(request))
-        return RedirectResponse(next_path(text(form, "next")), status_code=303)
+        return RedirectResponse(after, status_code=303)
 
     async def logout(request: Request) -> Response:
         await checked_form(request)
         request.session.clear()
-        return RedirectResponse("/runs", status_code=303)
+        return RedirectResponse("/", status_code=303)
+
+    async def confirm_page(request: Request) -> Response:
+        action = request.url.path.rsplit("/", 1)[1]
+        run_id, workspace = run_named(request.query_params)
+        found_run = await reads.run_page(runtime, run_id, workspace)
+        if found_run is None:
+            raise HTTPException(404, f"no run {run_id}")
+        return await render(
+            request,
+            "confirm.html",
+            title=f"{action.capitalize()} run {run_id}?",
+            action=action,
+            run=found_run.report.run,
+            acknowledge=request.query_params.get("acknowledge") == "1",
+        )
 
     async def retry_run(request: Request) -> Response:
-        form = await acting_form(request)
+        form, actor = await acting_form(request)
         run_id, workspace = run_named(form)
-        results = await actions.retry_one(runtime, console.enqueue, run_id, workspace)
-        return done(request, "Retry", results, back=run_link(run_id, workspace))
+        results = await actions.retry_one(runtime, console.enqueue, run_id, workspace, actor=actor)
+        return done(request, "Retry", actor, results, back=run_link(run_id, workspace))
 
     async def cancel_run(request: Request) -> Response:
-        form = await acting_form(request)
-        run_id, workspace = run_named(form)
-        reason = reason_of(form, default=actions.DEFAULT_CANCEL_REASON)
-        results = await actions.cancel_one(runtime, run_id, workspace, reason=reason)
-        return done(request, "Cancel", results, back=run_link(run_id, workspace))
-
-    async def skip_run(request: Request) -> Response:
-        form = await acting_form(request)
+        form, actor = await acting_form(request)
         run_id, workspace = run_named(form)
         reason = reason_of(form, default=None)
-        results = await actions.skip_one(runtime, run_id, workspace, reason=reason)
-        return done(request, "Skip", results, back=run_link(run_id, workspace))
+        results = await actions.cancel_one(runtime, run_id, workspace, reason=reason, actor=actor)
+        return done(request, "Cancel", actor, results, back=run_link(run_id, workspace))
+
+    async def skip_run(request: Request) -> Response:
+        form, actor = await acting_form(request)
+        run_id, workspace = run_named(form)
+        reason = reason_of(form, default=None)
+        results = await actions.skip_one(runtime, run_id, workspace, reason=reason, actor=actor)
+        return done(request, "Skip", actor, results, back=run_link(run_id, workspace))
 
     async def preview_retry(request: Request) -> Response:
         query = RunQuery.parse(request.query_params, status="dead")
         preview = await actions.preview_retry(runtime, console.enqueue, query)
-        return render(request, "preview.html", title="Retry dead runs", preview=preview)
+        return await render(request, "preview.html", title="Retry dead runs", preview=preview)
 
     async def confirm_retry(request: Request) -> Response:
-        form = await acting_form(request)
+        form, actor = await acting_form(request)
         refs = [run_ref(value) for value in form.getlist("run") if isinstance(value, str)]
         if not refs:
             raise BadQuery("no run to retry: preview the dead runs again")
@@ -259,15 +446,60 @@ def create_app(console: Console) -> Starlette:
             {
                 k: v
                 for k, v in form.items()
-                if isinstance(v, str) and k in ("rule", "workspace", "since")
+                if isinstance(v, str) and k in ("rule", "workspace", "since", "reason")
             },
             status="dead",
         )
-        results = await actions.confirm_retry(runtime, console.enqueue, refs)
-        return done(request, "Retry dead runs", results, back=href("/runs", query.params()))
+        results = await actions.confirm_retry(runtime, console.enqueue, refs, actor=actor)
+        return done(request, "Retry dead runs", actor, results, back=href("/runs", query.params()))
+
+    async def replay_letters(request: Request) -> Response:
+        form, actor = await acting_form(request)
+        workspace = parse_workspace("workspace", text(form, "workspace"))
+        ids = [
+            parse_id("envelope", value)
+            for value in form.getlist("envelope")
+            if isinstance(value, str)
+        ]
+        replayed = await reads.replay(runtime, workspace, ids or None)
+        logger.info(
+            "console action",
+            action="replay dead letters",
+            workspace=str(workspace),
+            bridged=len(replayed.bridged),
+            failed=len(replayed.failed),
+            operator=actor.name,
+            client=client(request),
+        )
+        left = len(replayed.skipped) + len(replayed.not_found) + len(replayed.unknown)
+        request.session["replayed"] = (
+            f"{workspace}: {len(replayed.bridged)} bridged, {len(replayed.failed)} failed again, "
+            f"{left} left waiting"
+        )
+        return RedirectResponse("/health#dead-letters", status_code=303)
+
+    async def result(request: Request) -> Response:
+        kept = outcomes.get(request.query_params.get("key", ""))
+        if kept is None:
+            raise HTTPException(
+                404,
+                "this action's result is no longer kept here (the console restarted, or "
+                "another replica served the action): each run's page and the audit page say "
+                "what was done",
+            )
+        states = await actions.current_states(runtime, kept.results)
+        ongoing = any(row.status in ("pending", "running", "retrying") for row in states.values())
+        return await render(
+            request,
+            "results.html",
+            title=kept.action,
+            outcome=kept,
+            states=states,
+            live=ongoing,
+        )
 
     def done(
-        request: Request, action: str, results: list[OperatorResult], *, back: str
+        request: Request, action: str, actor: UserActor, results: list[OperatorResult], *, back: str
     ) -> Response:
         logger.info(
             "console action",
@@ -275,29 +507,23 @@ def create_app(console: Console) -> Starlette:
             runs=[f"{result.workspace}/{result.run_id}" for result in results],
             done=sum(result.ok for result in results),
             refused=sum(not result.ok for result in results),
+            operator=actor.name,
             client=client(request),
         )
         problem = not_enqueued(results, redact(runtime.settings.broker_url))
-        return render(
-            request,
-            "results.html",
-            title=action,
-            action=action,
-            results=results,
-            problem=problem,
-            back=back,
-        )
+        key = outcomes.keep(actions.Outcome(action, actor.name or actor.id, results, problem, back))
+        return RedirectResponse(href("/done", {"key": key}), status_code=303)
 
     async def bad_query(request: Request, error: Exception) -> Response:
         message = error.message if isinstance(error, BadQuery) else str(error)
-        return render(
+        return await render(
             request, "error.html", status_code=400, title="Bad request", status=400, message=message
         )
 
     async def http_error(request: Request, error: Exception) -> Response:
         status = error.status_code if isinstance(error, HTTPException) else 500
         detail = error.detail if isinstance(error, HTTPException) else "internal error"
-        return render(
+        return await render(
             request,
             "error.html",
             status_code=status,
@@ -320,13 +546,22 @@ def create_app(console: Console) -> Starlette:
                 message = (
                     f"the page failed ({type(error).__name__}); the console's log has the details"
                 )
-                return render(
-                    request,
-                    "error.html",
+                return HTMLResponse(
+                    pages.get_template("error.html").render(
+                        access=access(request),
+                        path=request.url.path,
+                        here=request.url.path,
+                        problems=[],
+                        live=False,
+                        can_be_live=False,
+                        live_link="",
+                        refresh_s=REFRESH_S,
+                        as_of=datetime.now(UTC),
+                        title="Error 500",
+                        status=500,
+                        message=message,
+                    ),
                     status_code=500,
-                    title="Error 500",
-                    status=500,
-                    message=message,
                 )
 
         return guarded_endpoint
@@ -334,19 +569,27 @@ def create_app(console: Console) -> Starlette:
     pages_and_actions: list[tuple[str, Endpoint, str]] = [
         ("/", home, "GET"),
         ("/healthz", healthz, "GET"),
+        ("/favicon.ico", favicon, "GET"),
         ("/runs", runs, "GET"),
         ("/run", run, "GET"),
+        ("/search", find, "GET"),
+        ("/event", event, "GET"),
         ("/thread", thread, "GET"),
         ("/allowlist", allowlist, "GET"),
         ("/health", health, "GET"),
+        ("/audit", audit, "GET"),
         ("/login", login_form, "GET"),
         ("/login", login, "POST"),
         ("/logout", logout, "POST"),
         ("/run/retry", retry_run, "POST"),
+        ("/run/cancel", confirm_page, "GET"),
         ("/run/cancel", cancel_run, "POST"),
+        ("/run/skip", confirm_page, "GET"),
         ("/run/skip", skip_run, "POST"),
         ("/retry-dead", preview_retry, "GET"),
         ("/retry-dead", confirm_retry, "POST"),
+        ("/dead-letters/replay", replay_letters, "POST"),
+        ("/done", result, "GET"),
     ]
     routes: list[BaseRoute] = [
         Route(path, guarded(endpoint), methods=[method])
@@ -373,6 +616,18 @@ def create_app(console: Console) -> Starlette:
         HTTPException: http_error,
     }
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+
+AUDIT_SHOWN: Final = 200
+"""How many operator actions the audit page shows, newest first."""
+
+
+def _toggle_live(request: Request, paused: bool) -> str:
+    """The link that pauses a live page (``live=0``) or resumes it."""
+    params = {key: value for key, value in request.query_params.items() if key != "live"}
+    if not paused:
+        params["live"] = "0"
+    return href(request.url.path, params)
 
 
 def run_link(run_id: str, workspace: WorkspaceKey | None) -> str:

@@ -58,7 +58,8 @@ def run_ref(value: str) -> actions.RunRef:
 
 
 def reason_of(form: FormData, *, default: str | None) -> str:
-    """A cancel's or skip's reason; a skip must give one, as ``relayr runs skip`` must.
+    """A cancel's or skip's reason: the console asks one for both (the command line's skip
+    must give one, its cancel has a default).
 
     Raises:
         BadQuery: When it is missing without a default, or too long.
@@ -77,13 +78,13 @@ def next_path(value: str | None) -> str:
     Browsers drop tabs and line breaks from a URL and read a backslash as a slash, so ``/``, a
     tab, ``/evil.example`` would lead to ``//evil.example``, another site. So the path must start
     with one slash, hold no backslash, no space and no control character, and have neither a
-    scheme nor a host; anything else is ``/runs``.
+    scheme nor a host; anything else is ``/runs``, and so is the login page itself.
     """
     if not value or any(ord(character) <= 0x20 or ord(character) == 0x7F for character in value):
         return "/runs"
     if "\\" in value or not value.startswith("/") or value.startswith("//"):
         return "/runs"
     parts = urlsplit(value)
-    if parts.scheme or parts.netloc:
+    if parts.scheme or parts.netloc or parts.path == "/login":
         return "/runs"
     return value

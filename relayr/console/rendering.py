@@ -16,7 +16,7 @@ import jinja2
 from relayr.ops.transcript import marker
 
 from . import reads
-from .queries import PAGE_SIZE, STATUS_FILTERS, STATUS_HELP, href
+from .queries import ORDERS, PAGE_SIZE, STATUS_FILTERS, STATUS_HELP, href
 from .security import SESSION_MAX_AGE_S
 
 HERE: Final = Path(__file__).resolve().parent
@@ -38,12 +38,14 @@ def templates() -> jinja2.Environment:
         marker=marker,
         STATUS_FILTERS=STATUS_FILTERS,
         STATUS_HELP=STATUS_HELP,
+        ORDERS=ORDERS,
         PAGE_SIZE=PAGE_SIZE,
         TURN_ADVICE=reads.TURN_ADVICE,
         SESSION_HOURS=SESSION_MAX_AGE_S // 3600,
     )
     environment.filters["age"] = age
     environment.filters["when"] = when
+    environment.filters["seconds"] = seconds
     return environment
 
 
@@ -61,3 +63,22 @@ def when(moment: datetime | None) -> str:
     if moment is None:
         return "-"
     return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def seconds(value: float | None) -> str:
+    """A duration for people: ``0.4 s``, ``45 s``, ``12 min 5 s``, ``3 h 10 min``; ``-`` for
+    none."""
+    if value is None:
+        return "-"
+    if value < 10:
+        return f"{value:.1f} s"
+    whole = int(value)
+    for unit, size, smaller, small_size in (
+        ("d", 86400, "h", 3600),
+        ("h", 3600, "min", 60),
+        ("min", 60, "s", 1),
+    ):
+        if whole >= size:
+            rest = (whole % size) // small_size
+            return f"{whole // size} {unit}" + (f" {rest} {smaller}" if rest else "")
+    return f"{whole} s"

@@ -10,7 +10,7 @@ alone (ADR-0050).
 """
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -58,16 +58,49 @@ far longer than the Runner's claim TTL (30 s), which a live turn renews."""
 
 @dataclass(frozen=True)
 class Attempt:
-    """One attempt of a run, from reflexr's facts: when it started and how it ended."""
+    """One attempt of a run, from reflexr's facts: when it started and how it ended.
+
+    ``attempt`` counts every attempt of the run, 1 first, across operator retries; ``of_budget``
+    is reflexr's own number, which an operator retry starts again from 1 (a fresh retry
+    budget). ``ended_at`` is None while it runs.
+    """
 
     attempt: int
     started_at: datetime
     outcome: str = "running"
     error: str | None = None
     reason: str | None = None
+    of_budget: int = 1
+    ended_at: datetime | None = None
+
+    @property
+    def duration_s(self) -> float | None:
+        """How long it ran, in seconds; None while it runs."""
+        if self.ended_at is None:
+            return None
+        return max((self.ended_at - self.started_at).total_seconds(), 0.0)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "started_at": self.started_at.isoformat()}
+        return {
+            **asdict(self),
+            "started_at": self.started_at.isoformat(),
+            "ended_at": None if self.ended_at is None else self.ended_at.isoformat(),
+            "duration_s": self.duration_s,
+        }
+
+
+@dataclass(frozen=True)
+class OperatorAction:
+    """What a person did to a run (retry, cancel, skip), as reflexr's facts record it: who (the
+    fact's actor), when, and why (the reason a cancel or skip gave)."""
+
+    action: Literal["retry", "cancel", "skip"]
+    at: datetime
+    who: str
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "at": self.at.isoformat()}
 
 
 @dataclass(frozen=True)
@@ -92,6 +125,8 @@ class RunReport:
     attempts: list[Attempt]
     emissions: list[EmissionRecord]
     turns: list[Turn]
+    actions: list[OperatorAction] = field(default_factory=list)
+    """What people did to the run, oldest first."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -99,6 +134,7 @@ class RunReport:
             "attempts": [attempt.to_json() for attempt in self.attempts],
             "emissions": [record.to_json() for record in self.emissions],
             "turns": [turn.to_json() for turn in self.turns],
+            "actions": [action.to_json() for action in self.actions],
         }
 
 
@@ -115,37 +151,62 @@ async def show_run(
     """
     ref = WorkspaceRef(row.tenant_id, row.workspace_id)
     facts = await rules.storage.read(ref, after_seq=row.fired_seq, types=RUN_FACTS)
-    attempts = _attempts(
-        (envelope.event, envelope.ts)
+    own = [
+        envelope
         for envelope in facts
         if getattr(envelope.event, "run_id", None) == row.id  # the workspace's other runs' too
-    )
+    ]
+    attempts = _attempts((envelope.event, envelope.ts) for envelope in own)
+    actions = operator_actions((envelope.event, envelope.ts, envelope.actor) for envelope in own)
     emissions = await ledger.emissions(row.workspace, row.id)
     turns = await _turns(artifacts, row.workspace, emissions, now=rules.clock())
-    return RunReport(run=row, attempts=attempts, emissions=emissions, turns=turns)
+    return RunReport(run=row, attempts=attempts, emissions=emissions, turns=turns, actions=actions)
+
+
+OPERATOR_FACTS: Final[dict[type, str]] = {
+    RunRequeued: "retry",
+    RunCancelled: "cancel",
+    RunSkipped: "skip",
+}
+"""reflexr's facts of what a person did to a run, by the action's name."""
+
+
+def operator_actions(facts: Iterable[tuple[object, datetime, Any]]) -> list[OperatorAction]:
+    """The operator actions among a run's facts ``(fact, ts, actor)``: who is the fact's actor
+    (its display name, else its participant key)."""
+    found = []
+    for fact, at, actor in facts:
+        action = OPERATOR_FACTS.get(type(fact))
+        if action is None:
+            continue
+        who = getattr(actor, "name", None) or getattr(actor, "participant", str(actor))
+        found.append(OperatorAction(action, at, who, getattr(fact, "reason", None)))  # type: ignore[arg-type]
+    return found
 
 
 def _attempts(facts: Iterable[tuple[object, datetime]]) -> list[Attempt]:
     attempts: list[Attempt] = []
 
-    def ended(outcome: str, error: str | None = None, reason: str | None = None) -> None:
+    def ended(
+        at: datetime, outcome: str, error: str | None = None, reason: str | None = None
+    ) -> None:
         if attempts and attempts[-1].outcome == "running":
             last = attempts[-1]
-            attempts[-1] = Attempt(last.attempt, last.started_at, outcome, error, reason)
+            attempts[-1] = replace(last, outcome=outcome, error=error, reason=reason, ended_at=at)
 
     for fact, at in facts:
         match fact:
             case RunAttempted():
-                ended("abandoned", "a later attempt started", reasons.ABANDONED)
-                attempts.append(Attempt(fact.attempt, at))
+                ended(at, "abandoned", "a later attempt started", reasons.ABANDONED)
+                attempts.append(Attempt(len(attempts) + 1, at, of_budget=fact.attempt))
             case RunRetrying():
-                ended("failed", fact.error, fact.reason)
+                ended(at, "failed", fact.error, fact.reason)
             case RunDeadLettered():
-                ended("dead", fact.error, fact.reason)
+                ended(at, "dead", fact.error, fact.reason)
             case RunSucceeded():
-                ended("succeeded")
+                ended(at, "succeeded")
             case RunCancelled():
-                ended("cancelled", None, fact.reason)
+                ended(at, "cancelled", None, fact.reason)
             case RunSkipped() | RunRequeued():
                 pass
     return attempts

@@ -29,6 +29,25 @@ logger = structlog.get_logger("relayr.ops")
 OPERATOR: Final = UserActor(id="relayr-ops", name="relayr ops")
 """Who retries, cancels and skips runs from the CLI, as reflexr's facts record it."""
 
+MAX_OPERATOR_CHARS: Final = 100
+"""The longest operator name recorded."""
+
+
+def operator(name: str, *, via: str) -> UserActor:
+    """The actor reflexr records for a person named ``name`` acting through ``via`` (the
+    console): the facts of what they did carry it, so a run's page says who acted.
+
+    Raises:
+        ValueError: When the name is empty, too long or holds a control character.
+    """
+    cleaned = name.strip()
+    if not cleaned or len(cleaned) > MAX_OPERATOR_CHARS:
+        raise ValueError(f"operator name must be 1 to {MAX_OPERATOR_CHARS} characters")
+    if any(ord(character) < 0x20 or ord(character) == 0x7F for character in cleaned):
+        raise ValueError("operator name holds a control character")
+    return UserActor(id=f"{via}:{cleaned}", name=cleaned)
+
+
 ENQUEUE_FAILED: Final = "enqueue_failed"
 """:attr:`OperatorResult.enqueue_error` of a retried run whose enqueue failed otherwise than with
 the broker unavailable (:attr:`relayr.core.errors.BrokerUnavailable.code`): a message the broker
@@ -86,7 +105,12 @@ async def find_runs(
 
 
 async def retry(
-    rules: Workspaces, targets: Sequence[RunRow], enqueue: EnqueueRun, *, dry_run: bool = False
+    rules: Workspaces,
+    targets: Sequence[RunRow],
+    enqueue: EnqueueRun,
+    *,
+    dry_run: bool = False,
+    actor: UserActor = OPERATOR,
 ) -> list[OperatorResult]:
     """reflexr's operator retry of each run, then an enqueue, so it runs at once.
 
@@ -107,7 +131,7 @@ async def retry(
                     row.id, str(row.workspace), False, f"cannot retry a {status} run"
                 )
             return OperatorResult(row.id, str(row.workspace), True, "would retry", current.status)
-        handle = await rules.open(row.tenant_id, row.workspace_id, actor=OPERATOR)
+        handle = await rules.open(row.tenant_id, row.workspace_id, actor=actor)
         retried = await handle.retry_run(row.id)
         if failed is None:
             try:
@@ -152,12 +176,12 @@ def not_enqueued(results: Sequence[OperatorResult], broker: str) -> str | None:
 
 
 async def cancel(
-    rules: Workspaces, targets: Sequence[RunRow], *, reason: str
+    rules: Workspaces, targets: Sequence[RunRow], *, reason: str, actor: UserActor = OPERATOR
 ) -> list[OperatorResult]:
     """reflexr's operator cancel of each run; a running attempt is fenced off."""
 
     async def cancel_one(row: RunRow) -> OperatorResult:
-        handle = await rules.open(row.tenant_id, row.workspace_id, actor=OPERATOR)
+        handle = await rules.open(row.tenant_id, row.workspace_id, actor=actor)
         cancelled = await handle.cancel_run(row.id, reason=reason)
         return OperatorResult(row.id, str(row.workspace), True, "cancelled", cancelled.status)
 
@@ -165,12 +189,12 @@ async def cancel(
 
 
 async def skip(
-    rules: Workspaces, targets: Sequence[RunRow], *, reason: str
+    rules: Workspaces, targets: Sequence[RunRow], *, reason: str, actor: UserActor = OPERATOR
 ) -> list[OperatorResult]:
     """reflexr's operator skip of each run: it will not run, and its scope moves on."""
 
     async def skip_one(row: RunRow) -> OperatorResult:
-        handle = await rules.open(row.tenant_id, row.workspace_id, actor=OPERATOR)
+        handle = await rules.open(row.tenant_id, row.workspace_id, actor=actor)
         skipped = await handle.skip_run(row.id, reason=reason)
         return OperatorResult(row.id, str(row.workspace), True, "skipped", skipped.status)
 

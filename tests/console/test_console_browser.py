@@ -116,7 +116,7 @@ def test_a_dead_run_is_listed_with_its_reason_and_a_retry_posts_its_notice_once(
         page.goto(console.at("/runs?status=dead"))
         row = page.locator(f'#runs tr[data-run="{dead["id"]}"]')
         cells = row.locator("td").all_inner_texts()
-        assert cells[1:5] == [BACKUP, WHERE, "dead", "2"]
+        assert cells[1:5] == ["dead", BACKUP, WHERE, "2"]
         assert cells[5].startswith("backup_down")
         assert "the backup host is down" in cells[5]
 
@@ -139,15 +139,22 @@ def test_a_dead_run_is_listed_with_its_reason_and_a_retry_posts_its_notice_once(
         assert "Logged in" in page.locator("#access").inner_text()
         (tmp_path / FIXED).touch()
         page.click("form[action='/run/retry'] button")
-        page.wait_for_url("**/run/retry")
+        page.wait_for_url(re.compile(r"/done\?key="))
         result = page.locator(f'#results tr[data-run="{dead["id"]}"]').inner_text()
         assert "retried and enqueued" in result, result
 
         wait_for(environment, "succeeded", 1, "--rule", BACKUP)
+        page.reload()  # the result page follows the run to its end, and retries nothing
+        now = page.locator(f'#results tr[data-run="{dead["id"]}"] td.now').inner_text()
+        assert now == "succeeded"
         page.goto(run_link(console, dead))
         assert page.locator("#status").inner_text() == "succeeded"
-        outcomes = page.locator("#attempts tbody tr td:nth-child(3)").all_inner_texts()
+        outcomes = page.locator("#attempts tbody tr td:nth-child(5)").all_inner_texts()
         assert outcomes == ["failed", "dead", "succeeded"]
+        numbers = page.locator("#attempts tbody tr td:nth-child(1)").all_inner_texts()
+        assert numbers == ["1", "2", "3"]
+        report = relayr(environment, "runs", "show", dead["id"])
+        assert [action["action"] for action in report["actions"]] == ["retry"]
 
         page.goto(console.at(f"/thread?workspace={WHERE}&id={thread}"))
         entries = page.locator("#transcript article.entry").all_inner_texts()
@@ -216,7 +223,7 @@ def test_the_bulk_retry_previews_exactly_the_dead_runs_of_its_filter(
 
         (tmp_path / FIXED).touch()
         page.click("#confirm button[type=submit]")
-        page.wait_for_url("**/retry-dead")
+        page.wait_for_url(re.compile(r"/done\?key="))
         done = page.locator("#results tbody tr").evaluate_all(
             "rows => rows.map(row => row.dataset.run)"
         )
@@ -304,7 +311,7 @@ def test_a_retry_with_the_broker_down_says_so_and_the_dispatcher_runs_it(
         page.wait_for_url(re.compile(r"/run\?id="))
         (tmp_path / FIXED).touch()
         page.click("form[action='/run/retry'] button")
-        page.wait_for_url("**/run/retry")
+        page.wait_for_url(re.compile(r"/done\?key="))
         problem = page.locator("#problem").inner_text()
         assert problem.startswith("broker redis://127.0.0.1:1/0 is unavailable: retried in")
         assert f"{dead['id']} ({WHERE}); the dispatcher will enqueue it" in problem

@@ -3,13 +3,14 @@ is stored, and how they answer a bad request.
 
 Stored markup comes back escaped; a bad parameter is one line naming it (400); a run or thread
 that does not exist is 404; a run id that two workspaces hold, named without its workspace, is
-one line naming both (400). The consoles are :mod:`tests.console.console_http`'s; the runs are fired
-by the CLI and reflexr's Reactor.
+a page that links to both runs. The consoles are :mod:`tests.console.console_http`'s; the runs
+are fired by the CLI and reflexr's Reactor.
 """
 
 import asyncio
 import html
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,13 @@ def test_stored_markup_comes_back_as_text(read_only: tuple[Console, str]) -> Non
     ("path", "message"),
     [
         ("/runs?since=yesterday", "since 'yesterday' is not a duration"),
-        ("/runs?workspace=acme", "workspace 'acme' is malformed"),
-        ("/runs?status=lost", "status 'lost' is not one of dead, failed"),
-        ("/runs?page=0", "page '0' is not a page number"),
+        ("/runs?workspace=acme/ops/x", "workspace 'acme/ops/x' is malformed"),
+        ("/runs?workspace=a%20b", "workspace 'a b' is malformed: expected TENANT or TENANT/"),
+        ("/runs?status=lost", "status 'lost' is not one of dead, retrying, running, pending"),
+        ("/runs?sort=size", "sort 'size' is not one of created, changed"),
+        ("/runs?from=yesterday", "from 'yesterday' is not a time"),
+        ("/runs?after=x", "after 'x' is not a page's cursor"),
+        ("/event?workspace=acme/ops&seq=0", "seq '0' is not a position in the log"),
         ("/run?id=a%20b", "id 'a b' is malformed"),
         ("/thread?workspace=acme/ops", "id '' is malformed"),
         ("/retry-dead?since=2x", "since '2x' is not a duration"),
@@ -67,7 +72,7 @@ def test_a_run_or_thread_that_does_not_exist_is_404(token_console: Console) -> N
 
 def test_a_run_id_two_workspaces_hold_is_shown_with_its_workspace_only(tmp_path: Path) -> None:
     """The same rule firing at the same seq in two workspaces makes the same run id: a page
-    that names the id alone says so (400), and names both workspaces."""
+    that names the id alone, and a search for it, link to both runs."""
     environment = environment_of(tmp_path)
     data = json.dumps({"thread_id": "thr_1", "payload": "same"})
     for where in ("acme/ops", "acme/billing"):
@@ -87,12 +92,19 @@ def test_a_run_id_two_workspaces_hold_is_shown_with_its_workspace_only(tmp_path:
     [run_id] = asyncio.run(fired())  # the premise: one id, in both workspaces
     with running_console(environment, tmp_path) as console:
         client = Client()
-        status, page, _ = client.get(console.at(f"/run?id={run_id}"))
-        assert status == 400
-        assert (
-            f"run {run_id} is in 2 workspaces (acme/billing, acme/ops): name one with"
-            in html.unescape(page)
-        )
+        for path in (f"/run?id={run_id}", f"/search?q={run_id}"):
+            status, page, _ = client.get(console.at(path))
+            assert status == 200, path
+            links = set(re.findall(r'href="(/run\?[^"]+)"', html.unescape(page)))
+            assert links == {
+                f"/run?id={run_id}&workspace=acme%2Fbilling",
+                f"/run?id={run_id}&workspace=acme%2Fops",
+            }, path
+        assert "is in 2 workspaces" in page_of(client, console.at(f"/run?id={run_id}"))
         status, page, _ = client.get(console.at(f"/run?id={run_id}&workspace=acme/billing"))
         assert status == 200
         assert "acme/billing" in page
+
+
+def page_of(client: Client, url: str) -> str:
+    return html.unescape(client.get(url)[1])

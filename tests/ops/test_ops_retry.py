@@ -37,11 +37,13 @@ async def test_a_dead_run_is_listed_retried_and_posts_one_notice(ops: Ops) -> No
     report = await show_run(
         ops.rules, ops.runtime.application.artifacts, ops.runtime.bridge.ledger, row
     )
-    assert [(a.attempt, a.outcome, a.reason) for a in report.attempts] == [
-        (1, "failed", "backup_down"),
-        (2, "dead", "backup_down"),
-        (1, "succeeded", None),
+    assert [(a.attempt, a.of_budget, a.outcome, a.reason) for a in report.attempts] == [
+        (1, 1, "failed", "backup_down"),
+        (2, 2, "dead", "backup_down"),
+        (3, 1, "succeeded", None),
     ]
+    assert all(a.ended_at is not None and a.duration_s is not None for a in report.attempts)
+    assert [(a.action, a.who) for a in report.actions] == [("retry", "relayr ops")]
     assert [r.outcome for r in report.emissions] == ["posted", "already_posted", "already_posted"]
 
     [refused] = await retry(ops.rules, [row], ops.enqueue)

@@ -95,6 +95,8 @@ def test_other_variables_are_ignored() -> None:
         ("RELAYR_APP", "rules.example", "RELAYR_APP='rules.example' is invalid"),
         ("RELAYR_APP", ":create_app", "RELAYR_APP=':create_app' is invalid"),
         ("RELAYR_OTEL", "maybe", "RELAYR_OTEL='maybe' is invalid: use 1 or 0"),
+        ("RELAYR_TRACE_URL", "http://jaeger/trace", "RELAYR_TRACE_URL='http://jaeger/trace' is"),
+        ("RELAYR_TRACE_URL", "jaeger/{trace_id}", "RELAYR_TRACE_URL='jaeger/{trace_id}' is"),
         (
             "OTEL_EXPORTER_OTLP_ENDPOINT",
             "collector:4317",

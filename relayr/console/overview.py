@@ -1,0 +1,159 @@
+"""The overview, the console's home page: how many runs are in each state, where, and lately.
+
+Counts by status, by rule and by workspace; the runs that ended (succeeded, dead) or failed an
+attempt (retrying) in each of the last :data:`HOURS` hours, by when they last changed, drawn as
+an SVG chart on the server; how long the oldest waiting run has waited (dispatch latency). Each
+figure carries the runs filter that lists the runs behind it, so every number is a link. Health
+(the queue's depth, the followers' lag in time) comes from :func:`relayr.console.reads.health_page`.
+
+Counting reads every run of every workspace once (reflexr's storage offers no count).
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Final
+
+from relayr.ops.rows import RunFilter, RunRow, list_runs
+from relayr.runtime.process import Runtime
+
+from .queries import STATUS_FILTERS, href
+
+HOURS: Final = 24
+"""How many hours the chart shows, one bar each."""
+
+SERIES: Final = ("succeeded", "retrying", "dead")
+"""The chart's series, bottom up: what ended well, what failed an attempt, what died."""
+
+CHART_HEIGHT: Final = 120
+"""The chart's bars' height, in SVG units, for the tallest hour."""
+
+BAR_WIDTH: Final = 14
+BAR_GAP: Final = 4
+
+
+@dataclass(frozen=True)
+class Count:
+    """A figure and the runs page that lists what it counts."""
+
+    label: str
+    count: int
+    link: str
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One series' part of an hour's bar: where it is drawn and the runs behind it."""
+
+    series: str
+    count: int
+    x: int
+    y: int
+    height: int
+    link: str
+
+
+@dataclass(frozen=True)
+class Hour:
+    """One hour of the chart."""
+
+    start: datetime
+    segments: list[Segment]
+
+    @property
+    def total(self) -> int:
+        return sum(segment.count for segment in self.segments)
+
+
+@dataclass(frozen=True)
+class Overview:
+    """Every figure of the home page."""
+
+    total: int
+    by_status: list[Count]
+    by_rule: list[Count]
+    by_workspace: list[Count]
+    hours: list[Hour]
+    oldest_waiting_s: float | None
+    """How long the oldest pending run has been due (dispatch latency); None: none waits."""
+    oldest_waiting: str | None
+    """The link to the waiting runs, oldest first."""
+    now: datetime
+
+    @property
+    def chart_width(self) -> int:
+        return HOURS * (BAR_WIDTH + BAR_GAP)
+
+    @property
+    def chart_height(self) -> int:
+        return CHART_HEIGHT
+
+
+async def overview(runtime: Runtime) -> Overview:
+    """The overview of every run in the store, now."""
+    rules = runtime.application.rules
+    now = rules.clock()
+    rows = await list_runs(rules, RunFilter(limit=None))
+    by_status = Counter(row.status for row in rows)
+    by_rule = Counter(row.rule for row in rows)
+    by_workspace = Counter(str(row.workspace) for row in rows)
+    waiting = [row for row in rows if row.status == "pending" and row.next_attempt_at <= now]
+    oldest = min((row.next_attempt_at for row in waiting), default=None)
+    return Overview(
+        total=len(rows),
+        by_status=[
+            Count(status, by_status[status], href("/runs", {"status": status}))
+            for status in STATUS_FILTERS
+        ],
+        by_rule=[
+            Count(rule, count, href("/runs", {"rule": rule}))
+            for rule, count in sorted(by_rule.items(), key=lambda item: (-item[1], item[0]))
+        ],
+        by_workspace=[
+            Count(where, count, href("/runs", {"workspace": where}))
+            for where, count in sorted(by_workspace.items(), key=lambda item: (-item[1], item[0]))
+        ],
+        hours=_hours(rows, now),
+        oldest_waiting_s=None if oldest is None else max((now - oldest).total_seconds(), 0.0),
+        oldest_waiting=href("/runs", {"status": "pending"}) if waiting else None,
+        now=now,
+    )
+
+
+def _hours(rows: list[RunRow], now: datetime) -> list[Hour]:
+    """The last :data:`HOURS` whole hours to now, each with its runs by series."""
+    this_hour = now.replace(minute=0, second=0, microsecond=0)
+    starts = [this_hour - timedelta(hours=back) for back in range(HOURS - 1, -1, -1)]
+    counts: Counter[tuple[datetime, str]] = Counter()
+    first = starts[0]
+    for row in rows:
+        if row.status in SERIES and row.updated_at >= first:
+            hour = row.updated_at.replace(minute=0, second=0, microsecond=0)
+            counts[(hour, row.status)] += 1
+    tallest = max(
+        (sum(counts[(start, series)] for series in SERIES) for start in starts), default=0
+    )
+    scale = CHART_HEIGHT / tallest if tallest else 0.0
+    hours = []
+    for index, start in enumerate(starts):
+        x = index * (BAR_WIDTH + BAR_GAP)
+        bottom = CHART_HEIGHT
+        segments = []
+        for series in SERIES:
+            count = counts[(start, series)]
+            if not count:
+                continue
+            height = max(round(count * scale), 1)
+            bottom -= height
+            link = href(
+                "/runs",
+                {
+                    "status": series,
+                    "from": start.isoformat(),
+                    "to": (start + timedelta(hours=1)).isoformat(),
+                    "sort": "changed",
+                },
+            )
+            segments.append(Segment(series, count, x, bottom, height, link))
+        hours.append(Hour(start, segments))
+    return hours
