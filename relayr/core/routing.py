@@ -144,7 +144,12 @@ def content_refusal(content: str, writer: Writer) -> Refusal | None:
 
 def id_refusal(what: str, value: str, writer: Writer) -> Refusal | None:
     """Why a ``what`` id (``thread``, ``artifact``) cannot be used (``invalid_id``), or None."""
-    problem = "is empty" if not value else text_problem(value)
+    if not value:
+        problem: str | None = "is empty"
+    elif any(character.isspace() for character in value):
+        problem = "holds white space, which no id does"
+    else:
+        problem = text_problem(value)
     if problem is None:
         return None
     return Refusal(

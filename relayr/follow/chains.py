@@ -32,7 +32,7 @@ depends on it (the ledger keeps the turn's cause)."""
 
 RULE_CLIENT_PREFIX: Final = "reflexr:"
 """The client id of a rule's participant in artifactr: ``reflexr:<rule>``
-(relayr.execution.participant)."""
+(relayr.execution.actions)."""
 
 _RULE_WRITES: Final[Mapping[str, tuple[WriteKind, str]]] = {
     "message_posted": ("message", "message_id"),

@@ -33,6 +33,7 @@ HOSTILE_THREADS = {
 }
 REFUSED: dict[str, frozenset[str]] = {
     "empty": frozenset({"invalid_id"}),
+    "blank": frozenset({"invalid_id"}),
     "nul": frozenset({"invalid_id"}),
     "lone surrogate": frozenset({"invalid_id"}),
 }

@@ -19,8 +19,8 @@ from structlog.testing import capture_logs
 
 from relayr.core.errors import InvalidTask
 from relayr.core.run_messages import MAX_BATCH_RUNS, RunMessage
+from relayr.execution.attempts import RunOutcome
 from relayr.execution.executor import Executed
-from relayr.execution.outcomes import RunOutcome
 from relayr.observe.logging import configure_logging
 from relayr.settings import Settings
 from tasks.app import celery_config, create_celery, transport_options
