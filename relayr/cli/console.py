@@ -144,7 +144,7 @@ def require_the_extra() -> None:
     if missing:
         fail(
             f"relayr console needs the console extra ({', '.join(missing)} not installed): "
-            "pip install 'relayr[console]'"
+            "pip install 'relayr-bridge[console]'"
         )
 
 

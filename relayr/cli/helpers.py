@@ -141,7 +141,7 @@ def configure_tracing(settings: "Settings", role: "Role") -> None:
     except ImportError as missing:
         raise BadInput(
             f"tracing is on (RELAYR_OTEL or OTEL_EXPORTER_OTLP_ENDPOINT) but {missing.name} "
-            "is not installed: pip install 'relayr[otel]'"
+            "is not installed: pip install 'relayr-bridge[otel]'"
         ) from None
     configure(settings, role)
 

@@ -124,7 +124,7 @@ def worker_input_problem(settings: "Settings") -> str | None:
         except ImportError as missing:
             return (
                 f"tracing is on (RELAYR_OTEL or OTEL_EXPORTER_OTLP_ENDPOINT) but "
-                f"{missing.name} is not installed: pip install 'relayr[otel]'"
+                f"{missing.name} is not installed: pip install 'relayr-bridge[otel]'"
             )
     return None
 

@@ -101,7 +101,7 @@ class _Process:
         resource = Resource(
             {
                 "service.name": name,
-                "service.version": version("relayr"),
+                "service.version": version("relayr-bridge"),
                 "process.pid": pid,
             }
         )

@@ -96,7 +96,7 @@ def test_console_without_the_extra_is_bad_input_naming_it(
     assert done.returncode == 2, done.stdout + done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("Error: relayr console needs the console extra ("), line
-    assert line.endswith("not installed): pip install 'relayr[console]'"), line
+    assert line.endswith("not installed): pip install 'relayr-bridge[console]'"), line
     named = {CONSOLE_EXTRA.get(module, module) for module in missing if module in CONSOLE_EXTRA}
     assert all(distribution in line for distribution in named), line
     assert not (tmp_path / "home").exists()  # refused before the settings' storage is touched
