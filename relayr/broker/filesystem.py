@@ -1,19 +1,11 @@
 """relayr's embedded broker: a kombu transport on files that survives load and SIGKILL (ADR-0013).
 
-Guarantees, on one local filesystem (the folders are :mod:`relayr.broker.layout`'s):
-
-- a consumer never reads a half-written message (publishers write, then rename);
-- a message is kept until acknowledged: a consumer takes it by renaming it into its own folder,
-  and any consumer moves a dead consumer's messages back (at start, then every
-  :data:`RECOVER_EVERY_S`); nothing is deleted but by an ack;
-- a file that is not a usable message is set aside (:mod:`relayr.broker.dead_letters`), never
-  raised into Celery; an ``OSError`` is a connection error, on which Celery reconnects;
-- messages are taken FIFO by enqueue time;
-- a message is taken the moment it lands: an idle consumer waits on the kernel's notification
-  (:mod:`relayr.broker.filesystem_wait`), and looks at least every polling interval
-  (:data:`POLLING_INTERVAL_S` by default) whatever it says (ADR-0095).
-
-This module waits, wakes and recovers; :mod:`relayr.broker.filesystem_channel` moves the files.
+On one local filesystem: a consumer never reads a half-written message (write, then rename); a
+message is kept until acknowledged, and any consumer moves a dead consumer's messages back
+(every :data:`RECOVER_EVERY_S`); a file that is no usable message is set aside, never raised
+into Celery; messages go FIFO by enqueue time; an idle consumer waits on the kernel's
+notification and looks at least every polling interval (ADR-0095). This module waits, wakes and
+recovers; :mod:`relayr.broker.filesystem_channel` moves the files.
 """
 
 import threading

@@ -1,33 +1,10 @@
 """The console's ASGI app: server-rendered pages over the runtime, and the actions' POSTs.
 
-:func:`create_app` builds a Starlette app on a :class:`Console`: the process's one runtime
-(opened by ``relayr console`` in the loop uvicorn serves on, as every relayr process opens
-its own: ADR-0004), the enqueue ``relayr runs retry`` uses, the host names it answers to, and
-whether it is reached over HTTPS.
-Pages read (:mod:`relayr.console.reads`); actions change runs (:mod:`relayr.console.actions`)
-only for a logged-in session and only by a POST carrying its CSRF token
-(:mod:`relayr.console.security`, ADR-0070), its fields checked first
-(:mod:`relayr.console.forms`). Templates are Jinja2 with autoescape on, so nothing stored is
-ever rendered as markup; the pages carry no script (:mod:`relayr.console.rendering`).
-
-Pages:
-
-- ``/``: the overview: counts by status, rule and workspace, the last hours as a chart;
-- ``/runs``: runs across every workspace, filtered, sorted, paged by a cursor;
-- ``/run?id=&workspace=``: one run whole, with its actions and what people did to it;
-- ``/run/cancel``, ``/run/skip`` (GET): the confirmation of a cancel or a skip, with its reason;
-- ``/search?q=``: a run, event, thread, message or turn by id, or runs by their error's text;
-- ``/event?workspace=&seq=``: one event of a workspace's log;
-- ``/thread?workspace=&id=``: a thread's transcript, each message linked to its run;
-- ``/allowlist``: what every rule may do, and which entry said so;
-- ``/health``: heartbeats, broker, database, queue depth, followers and their dead letters;
-- ``/audit``: what people did to runs, newest first;
-- ``/retry-dead?...``: the preview of retrying a filter's dead runs, then its confirmation;
-- ``/done?key=``: an action's result, where every action's POST redirects (post/redirect/get);
-- ``/login``, ``/logout``; ``/healthz`` (``ok``, for probes; reads nothing); ``/favicon.ico``.
-
-Every page but the login's carries a health banner when something is unhealthy
-(:class:`HealthBanner`), and the overview and the lists refresh themselves unless paused.
+:func:`create_app` builds a Starlette app on a :class:`Console` (the process's one runtime, the
+enqueue ``relayr runs retry`` uses, the host names it answers to). Pages only read; an action
+changes runs only for a logged-in session, by a POST carrying its CSRF token, and answers with a
+redirect to its result (ADR-0070). Templates autoescape and carry no script. Its routes, from
+the overview at ``/`` to ``/healthz`` for probes, are declared in :func:`create_app`.
 """
 
 import asyncio

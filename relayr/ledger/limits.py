@@ -1,21 +1,10 @@
 """The counts behind the operators' limits, shared by every worker: in SQL or in memory.
 
-What each limit kind counts is decided in :mod:`relayr.core.limits`; this module keeps the
-counts and decides on them atomically. :meth:`LimitStore.admit` checks every limit that binds a
-run and, only if all of them allow it, takes what the run uses, in one transaction: an in-flight
-slot (held under a lease that its holder renews, so a dead worker's slot is free again when its
-lease lapses) or a use of a window (kept, by the run and attempt that made it, as long as the
-longest window). A run refused is recorded as waiting, with the limit and when it expects to go,
-for people (``relayr runs list``, ``relayr limits``); releasing a slot names the runs that wait
-for it, oldest first, so the releaser can wake them.
-
-SQL: one transaction per call, on the application's database, in relayr's own tables (made by
-relayr's migrations, brought to head before the first call, as the ledger's are). Two
-admissions into one limit never interleave: on PostgreSQL each transaction locks the limits'
-rows (``SELECT ... FOR UPDATE``, in one order, so never a deadlock); on SQLite every write
-transaction takes the file's lock first (``BEGIN IMMEDIATE``). The engine is shared, and on
-SQLite it has one connection: never call the store while holding a connection of the same
-engine.
+:meth:`LimitStore.admit` checks every limit that binds a run and, only if all allow it, takes
+what the run uses (an in-flight slot under a lease, or a use of a window) in one transaction; a
+run refused is recorded as waiting, with its limit and when it expects to go. Two admissions
+into one limit never interleave (row locks on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite;
+ADR-0106). The SQLite engine has one connection: never call the store while holding it.
 """
 
 from collections.abc import Sequence

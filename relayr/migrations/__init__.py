@@ -20,6 +20,17 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 
+class ForwardOnly(RuntimeError):
+    """Raised when a downgrade is asked for: relayr's migrations only go forward (ADR-0110)."""
+
+
+def refuse_downgrade() -> None:
+    """Every revision's ``downgrade``: restoring a backup is the way back."""
+    raise ForwardOnly(
+        "relayr's migrations only go forward: restore a backup made before the upgrade"
+    )
+
+
 @dataclass(frozen=True)
 class Schema:
     """One set of tables in relayr's database and where its migrations and revision live.

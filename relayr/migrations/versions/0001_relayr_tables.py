@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from relayr.migrations import refuse_downgrade
+
 revision: str = "0001"
 down_revision: str | Sequence[str] | None = None
 branch_labels: str | Sequence[str] | None = None
@@ -92,6 +94,4 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     """relayr's migrations only go forward (ADR-0110)."""
-    raise NotImplementedError(
-        "relayr's migrations only go forward: restore a backup made before the upgrade"
-    )
+    refuse_downgrade()

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from relayr.migrations import refuse_downgrade
+
 revision: str = "0002"
 down_revision: str | Sequence[str] | None = "0001"
 branch_labels: str | Sequence[str] | None = None
@@ -69,7 +71,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    """relayr's migrations only go forward (ADR-0101)."""
-    raise NotImplementedError(
-        "relayr's migrations only go forward: restore a backup made before the upgrade"
-    )
+    """relayr's migrations only go forward (ADR-0110)."""
+    refuse_downgrade()

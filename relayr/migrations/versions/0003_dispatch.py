@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from relayr.migrations import refuse_downgrade
+
 revision: str = "0003"
 down_revision: str | Sequence[str] | None = "0002"
 branch_labels: str | Sequence[str] | None = None
@@ -61,9 +63,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     """relayr's migrations only go forward (ADR-0110)."""
-    raise NotImplementedError(
-        "relayr's migrations only go forward: restore a backup made before the upgrade"
-    )
+    refuse_downgrade()
 
 
 def _postgres(tables: dict[str, str]) -> list[str]:
