@@ -49,7 +49,9 @@ class Commands(click.Group):
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="relayr", prog_name="relayr", message="%(prog)s %(version)s")
+@click.version_option(
+    package_name="relayr-bridge", prog_name="relayr", message="%(prog)s %(version)s"
+)
 def cli() -> None:
     """relayr: reflexr rules run on Celery workers and act in artifactr threads.
 

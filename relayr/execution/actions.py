@@ -83,6 +83,8 @@ class RunParticipant:
         self._writer = Writer(rule=rule.name, run_id=run.id)
         self._ids = IdDeriver(run.id)
         self._chain: list[str] = list(chain_threads(reaction))
+        self.started_turns = False
+        """Whether this attempt sent a message that starts (or asked for) a turn."""
         self._log = logger.bind(
             run_id=run.id,
             rule=rule.name,
@@ -396,6 +398,13 @@ def acting(reaction: Reaction[Any]) -> "RunActions":
     return actions
 
 
+def started_turns(reaction: Reaction[Any] | None) -> bool:
+    """Whether the attempt sent a message that starts a turn, or asked for its turn: the
+    turn's ``turns_in_flight`` slot is held until the turn ends."""
+    actions = None if reaction is None else _acting.get(reaction)
+    return actions is not None and actions.started_turns
+
+
 def pending_writes(reaction: Reaction[Any]) -> LedgerWrites | None:
     """The ledger rows this attempt's actions left for the run's completion to commit, if any."""
     actions = _acting.get(reaction)
@@ -550,6 +559,7 @@ class RunActions(ArtifactChanges):
                 self._run, "message", "asked", thread, message_id, content, policy="turn"
             )
             await self._writes.write_record(record)
+        self.started_turns = True
         handle = await self._writes.handle()
         self._bridge.turns.started(started, ask_again=lambda: runner.ask(handle, thread))
         self._writes.emitted(record, turn=None if started is None else started.run_id)

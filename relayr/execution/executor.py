@@ -26,7 +26,7 @@ from reflexr.workspace import Action, Reaction, RunFailure, WorkspaceRef, run_le
 
 from relayr.core import reasons
 from relayr.execution import attempts
-from relayr.execution.actions import pending_writes
+from relayr.execution.actions import pending_writes, started_turns
 from relayr.execution.attempts import (
     Claimed,
     Completion,
@@ -454,7 +454,7 @@ class Batch:
         keeps its slot until it ends: :meth:`relayr.execution.limiting.Limiter.release`)."""
         if run_id in self.bound:
             self.bound.discard(run_id)
-            await self.limiter.release(self.ref, run_id, sent=_sent(reaction))
+            await self.limiter.release(self.ref, run_id, sent=started_turns(reaction))
 
     def _ended(self, run_id: str, executed: Executed, *, seconds: float | None = None) -> None:
         self.results[run_id] = replace(executed, run_id=run_id)
@@ -464,13 +464,6 @@ class Batch:
             self.succeeded.add(run_id)
         run = executed.run
         hooks.emit(RunEnded(None if run is None else run.rule, executed.outcome, seconds))
-
-
-def _sent(reaction: Reaction[Any] | None) -> bool:
-    """Whether the attempt sent a message that starts a turn (its emission rides the
-    completion, :mod:`relayr.ledger.riding`)."""
-    writes = None if reaction is None else pending_writes(reaction)
-    return writes is not None and any(record.kind == "message" for record in writes.emissions)
 
 
 def _releasing(

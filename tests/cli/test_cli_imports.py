@@ -102,7 +102,7 @@ def environment(tmp_path: Path) -> dict[str, str]:
 def test_the_version_is_the_package_version(environment: dict[str, str]) -> None:
     result = CliRunner().invoke(cli, ["--version"], env=environment)
     assert result.exit_code == 0
-    assert result.stdout == f"relayr {version('relayr')}\n"
+    assert result.stdout == f"relayr {version('relayr-bridge')}\n"
 
 
 def test_every_command_is_listed() -> None:

@@ -45,7 +45,11 @@ from tests.workers import REPO, RelayrProcess, relayr_environment, running_dispa
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(900)]
 
 TENANT, WORKSPACE = "acme", "ops"
-T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+T0 = datetime.now(UTC).replace(hour=12, minute=0, second=0, microsecond=0) + timedelta(days=1)
+"""Where the test's clock starts: ahead of real time, and it must stay ahead. reflexr keeps a
+run's lease on its storage's own clock (real time), while the dispatcher asks for the runs whose
+lease lapsed by the application's clock (the test's): a clock behind real time would keep a
+killed worker's claimed runs ``running`` until the test moved it, past every lease."""
 INCIDENTS = 100
 PER_MINUTE = 10
 STAGE_TIMEOUT_S = 120.0
@@ -157,6 +161,20 @@ class World:
             for envelope in await self.envelopes()
         )
 
+    async def state(self) -> str:
+        """What a timed-out wait saw: the runs by status, the turns and the messages sent."""
+        source = await self.application.rules.open(
+            TENANT, WORKSPACE, actor=SourceActor(name="test")
+        )
+        now = self.application.rules.clock()
+        runs = await source.runs(limit=10 * self.incidents)
+        due = {run.id for run in runs if run.status in WAITING and run.next_attempt_at <= now}
+        statuses = Counter(f"{run.status}{' (due)' if run.id in due else ''}" for run in runs)
+        return (
+            f"runs {dict(statuses)}, turns (started, ended) {await self.turns()}, "
+            f"sent {await self.sent()}, clock {now.isoformat()}"
+        )
+
     async def turns(self) -> tuple[int, int]:
         events = await self.log()
         started = sum(isinstance(event, RunStarted) for event in events)
@@ -164,14 +182,17 @@ class World:
         return started, ended
 
 
-async def until(what: str, probe: Any, *processes: RelayrProcess) -> None:
+async def until(
+    what: str, probe: Any, *processes: RelayrProcess, world: World | None = None
+) -> None:
     deadline = asyncio.get_running_loop().time() + STAGE_TIMEOUT_S
     while not await probe():
         for process in processes:
             assert process.alive(), f"{process.name} died waiting for {what}:\n{process.log()}"
         if asyncio.get_running_loop().time() > deadline:
             logs = "\n".join(f"== {p.name}\n{p.log()[-4000:]}" for p in processes)
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+            seen = "" if world is None else f"; {await world.state()}"
+            raise AssertionError(f"timed out waiting for {what}{seen}\n{logs}")
         await asyncio.sleep(0.3)
 
 
@@ -243,7 +264,9 @@ async def scenario(environment: dict[str, str]) -> None:
                     started, _ = await world.turns()  # every message sent started its turn
                     return started >= await world.succeeded() and started == await world.sent()
 
-                await until(f"minute {stage} to settle", settled_and_taken, *alive, dispatcher)
+                await until(
+                    f"minute {stage} to settle", settled_and_taken, *alive, dispatcher, world=world
+                )
                 started, _ = await world.turns()
                 started_by_minute.append(started - sum(started_by_minute))
                 if stage == 0:

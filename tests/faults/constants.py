@@ -65,6 +65,10 @@ FAULT_SETTINGS: Final[Mapping[str, object]] = {
     # the test holds (their order below the visibility timeout is the settings' own rule)
     "soft_time_limit_s": HELD_ACTION_TIMEOUT.total_seconds() + 60,
     "time_limit_s": HELD_ACTION_TIMEOUT.total_seconds() + 120,
+    # the scenarios queue runs in the broker behind busy pool processes, so that a fault strikes
+    # messages the broker holds; fair dispatch's bound on one workspace's waiting messages would
+    # keep them in the store instead
+    "fair_messages": 10_000,
 }
 """Settings every scenario runs with, on top of its own: shorter waits, same mechanisms."""
 
