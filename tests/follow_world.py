@@ -8,7 +8,8 @@ tests/follow/test_follow_chains.py).
 """
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,7 @@ class World:
         holder: str = "follower-1",
         projections: dict[str, Projection] | None = None,
         tenants: Sequence[str] = (TENANT,),
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> Followers:
         application = self.runtime.application
 
@@ -79,6 +81,7 @@ class World:
             store=self.store,
             holder=holder,
             lease_ttl_s=30.0,
+            monotonic=monotonic,
             inbound=Inbound(
                 tenants=tenants, projections=projections or {}, after_publish=after_publish
             ),

@@ -235,7 +235,10 @@ def test_filters_take_pending_a_part_of_a_rule_a_tenant_and_sort_by_change(
     assert by_reason == [run.id for run in made.missing_thread]
     every = relayr(made.environment, "runs", "list", "--limit", "10000")
     ops = [run for run in every if (run["tenant_id"], run["workspace_id"]) == ("acme", "ops")]
-    by_change = sorted(ops, key=lambda run: (run["updated_at"], run["id"]), reverse=True)
+    # runs changed in one transaction share their moment: then by the event that fired them
+    by_change = sorted(
+        ops, key=lambda run: (run["updated_at"], run["fired_seq"], run["id"]), reverse=True
+    )
     changed = listed("workspace=acme/ops&sort=changed")
     assert changed == [run["id"] for run in by_change]
     # the oldest dead run, retried (and dead again) since, is listed by its change

@@ -333,18 +333,20 @@ async def test_one_follower_per_workspace_at_a_time(world: World) -> None:
 @pytest.mark.parametrize("world", SQL_STORAGES, indirect=True)
 async def test_a_pass_costs_a_handful_of_transactions(world: World) -> None:
     engines = world.runtime.application.engines
+    # a still clock: no pass lists the workspaces again or renews a lease, however slow
+    followers = world.follower(monotonic=lambda: 1000.0)
     thread = await world.thread()
     handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
-    await world.followers.follow_all()
+    await followers.follow_all()
     begun: list[object] = []
     event.listen(engines[0].sync_engine, "begin", lambda connection: begun.append(connection))
 
-    quiet = await world.followers.follow_all()
+    quiet = await followers.follow_all()
     quiet_count = len(begun)
     for index in range(20):
         await handle.post_message(thread, f"message {index}")
     begun.clear()
-    busy = await world.followers.follow_all()
+    busy = await followers.follow_all()
 
     assert (quiet.read, quiet_count) == (0, 1)
     assert busy.bridged == 20
@@ -356,14 +358,16 @@ async def test_a_pass_over_rules_writes_and_turns_reads_their_causes_at_once(
     world: World,
 ) -> None:
     engines = world.runtime.application.engines
+    # a still clock: no pass lists the workspaces again or renews a lease, however slow
+    followers = world.follower(monotonic=lambda: 1000.0)
     threads = [await world.thread() for _ in range(5)]
-    await world.followers.follow_all()
+    await followers.follow_all()
     await world.publish(*(Asked(thread_id=thread, text="status?") for thread in threads))
     await world.settle(follow=False)  # five questions sent, five turns ended, nothing bridged
     begun: list[object] = []
     event.listen(engines[0].sync_engine, "begin", lambda connection: begun.append(connection))
 
-    busy = await world.followers.follow_all()
+    busy = await followers.follow_all()
 
     assert busy.bridged == 15  # each thread: the question, the answer, the turn's end
     assert busy.dead == 0
