@@ -198,6 +198,8 @@ def runs_show(run_id: str, workspace: str | None, as_json: bool) -> None:
     if as_json:
         echo_json(report)
         return
+    from relayr.ops.report import TOOK
+
     run = report["run"]
     click.echo(
         f"run {run['id']} of {run['rule']} in {run['tenant_id']}/{run['workspace_id']}: "
@@ -217,6 +219,7 @@ def runs_show(run_id: str, workspace: str | None, as_json: bool) -> None:
     for turn in report["turns"]:
         click.echo(
             f"  turn for {turn['message_id']}: {turn['turn_id'] or '-'} {turn['status']}"
+            + (f", {TOOK[turn['took']]}" if turn["took"] else "")
             + (f" ({turn['reason']})" if turn["reason"] else "")
         )
 

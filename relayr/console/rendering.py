@@ -13,6 +13,7 @@ from typing import Final
 
 import jinja2
 
+from relayr.ops.report import TOOK
 from relayr.ops.transcript import marker
 
 from . import reads
@@ -41,6 +42,7 @@ def templates() -> jinja2.Environment:
         ORDERS=ORDERS,
         PAGE_SIZE=PAGE_SIZE,
         TURN_ADVICE=reads.TURN_ADVICE,
+        TOOK=TOOK,
         SESSION_HOURS=SESSION_MAX_AGE_S // 3600,
     )
     environment.filters["age"] = age

@@ -50,6 +50,20 @@ RUN_FACTS: Final = (
 
 type TurnStatus = Literal["completed", "failed", "stopped", "running", "stalled", "untaken"]
 
+type TurnTook = Literal["started", "steered"]
+"""How a turn took a message: it ``started`` with it (artifactr's ``run_started`` names it), or
+it was running and took it on the way (``steered``: a message of the turn's own author, before
+any other author's, up to the thread's runner cursor ``taken``)."""
+
+TOOK: Final[dict[str, str]] = {
+    "started": "started the turn",
+    "steered": "steered the running turn",
+}
+"""How ``runs show`` and the console say :data:`TurnTook`."""
+
+TAKEN_CURSOR: Final = "artifactr.runner/{thread}/taken"
+"""artifactr's Runner cursor: every message of the thread up to this seq was taken by a turn."""
+
 STALLED_AFTER: Final = timedelta(minutes=2)
 """How long a turn may go without an event before ``runs show`` calls it stalled. artifactr
 does not redo a turn whose process died (its message counts as taken), so ops must see it:
@@ -112,6 +126,8 @@ class Turn:
     turn_id: str | None
     status: TurnStatus
     reason: str | None = None
+    took: TurnTook | None = None
+    """How the turn took the message; None if no turn took it."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -221,45 +237,80 @@ async def _turns(
 ) -> list[Turn]:
     from artifactr import SystemActor as ArtifactSystemActor
     from artifactr.core import Rejection as ArtifactRejection
-    from artifactr.core import RunEnded, RunStarted
+    from artifactr.core import RunEnded
 
     sent = {(r.thread_id, r.message_id) for r in emissions if r.kind == "message"}
     if not sent:
         return []
     reader = ArtifactSystemActor(name=READER_NAME)
+    threads = {thread for thread, _ in sent}
     try:
         handle = await artifacts.open(workspace.tenant_id, workspace.workspace_id, actor=reader)
-        log = await handle.read(threads={thread for thread, _ in sent})
+        log = await handle.read(threads=threads)
+        taken_up_to = {
+            thread: await handle.cursor(TAKEN_CURSOR.format(thread=thread)) for thread in threads
+        }
     except ArtifactRejection:
         return [Turn(message, thread, None, "untaken") for thread, message in sorted(sent)]
-    started: dict[str, str] = {}
+    took = _who_took(log, taken_up_to)
     ended: dict[str, RunEnded] = {}
     last_seen: dict[str, datetime] = {}
     for envelope in log:
         if envelope.run_id is not None:
             last_seen[envelope.run_id] = envelope.ts
-        event = envelope.event
-        if isinstance(event, RunStarted):
-            last_seen.setdefault(event.run_id, envelope.ts)
-            for message_id in event.message_ids:
-                started.setdefault(message_id, event.run_id)
-        elif isinstance(event, RunEnded):
-            ended[event.run_id] = event
+        if isinstance(envelope.event, RunEnded):
+            ended[envelope.event.run_id] = envelope.event
     turns = []
     for thread, message in sorted(sent):
-        turn_id = started.get(message)
-        if turn_id is None:
+        if message not in took:
             turns.append(Turn(message, thread, None, "untaken"))
-        elif turn_id in ended:
+            continue
+        turn_id, how = took[message]
+        if turn_id in ended:
             end = ended[turn_id]
-            turns.append(Turn(message, thread, turn_id, end.status, end.reason))
+            turns.append(Turn(message, thread, turn_id, end.status, end.reason, how))
         elif now - last_seen.get(turn_id, now) > STALLED_AFTER:
             quiet = int((now - last_seen[turn_id]).total_seconds())
             reason = (
                 f"no event from the turn for {quiet} s: if its worker died, artifactr will not "
                 "answer this message; post it again"
             )
-            turns.append(Turn(message, thread, turn_id, "stalled", reason))
+            turns.append(Turn(message, thread, turn_id, "stalled", reason, how))
         else:
-            turns.append(Turn(message, thread, turn_id, "running"))
+            turns.append(Turn(message, thread, turn_id, "running", None, how))
     return turns
+
+
+def _who_took(log: Sequence[Any], taken_up_to: dict[str, int]) -> dict[str, tuple[str, TurnTook]]:
+    """Which turn took each message of the threads' log, and how (:data:`TurnTook`).
+
+    A turn names the messages it started with; one that is running takes, through its watcher,
+    the next messages of its own author, until another author's message comes (that one waits
+    for the next turn) and no further than the thread's ``taken`` cursor.
+    """
+    from artifactr.core import MessagePosted, RunEnded, RunStarted, same_principal
+
+    started: dict[str, str] = {}
+    steered: dict[str, str] = {}
+    running: dict[str, tuple[str, Any]] = {}
+    """Per thread, the running turn that may still take messages: its id and its actor."""
+    for envelope in log:
+        event, thread = envelope.event, envelope.thread_id
+        if isinstance(event, RunStarted):
+            running[thread] = (event.run_id, envelope.actor)
+            for message_id in event.message_ids:
+                started.setdefault(message_id, event.run_id)
+        elif isinstance(event, RunEnded):
+            if running.get(thread, ("",))[0] == event.run_id:
+                del running[thread]
+        elif isinstance(event, MessagePosted) and event.kind == "message" and event.run_id is None:
+            if thread not in running or event.message_id in started:
+                continue
+            turn_id, actor = running[thread]
+            if same_principal(envelope.actor, actor) and envelope.seq <= taken_up_to[thread]:
+                steered.setdefault(event.message_id, turn_id)
+            else:
+                del running[thread]  # another author's message: the turn takes no more
+    took: dict[str, tuple[str, TurnTook]] = {m: (t, "steered") for m, t in steered.items()}
+    took.update({message: (turn, "started") for message, turn in started.items()})
+    return took

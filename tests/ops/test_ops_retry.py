@@ -71,7 +71,7 @@ async def test_b_a_send_killed_between_commit_and_ask_gets_exactly_one_turn(ops:
         ops.rules, ops.runtime.application.artifacts, ops.runtime.bridge.ledger, row
     )
     [turn] = report.turns
-    assert (turn.message_id, turn.status) == (mine[0].message_id, "completed")
+    assert (turn.message_id, turn.status, turn.took) == (mine[0].message_id, "completed", "started")
     assert [r.outcome for r in report.emissions] == ["asked"]
 
 
