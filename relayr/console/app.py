@@ -129,9 +129,13 @@ class HealthBanner:
     async def problems(self) -> list[str]:
         now = time.monotonic()
         if now - self._at >= BANNER_TTL_S:
-            self._problems = (await reads.health_page(self.runtime)).problems
-            self._at = time.monotonic()
+            self.saw((await reads.health_page(self.runtime)).problems)
         return self._problems
+
+    def saw(self, problems: list[str]) -> None:
+        """Take the checks a page made itself (the overview, the health page): its banner then
+        says what the page says, however recent the last checks were."""
+        self._problems, self._at = problems, time.monotonic()
 
 
 def create_app(console: Console) -> Starlette:
@@ -236,6 +240,7 @@ def create_app(console: Console) -> Starlette:
 
     async def home(request: Request) -> Response:
         figures, health = await asyncio.gather(overview(runtime), reads.health_page(runtime))
+        banner.saw(health.problems)
         return await render(
             request, "overview.html", title="Overview", page=figures, health=health, live=True
         )
@@ -318,6 +323,7 @@ def create_app(console: Console) -> Starlette:
 
     async def health(request: Request) -> Response:
         page = await reads.health_page(runtime)
+        banner.saw(page.problems)
         replayed = request.session.pop("replayed", None) if token is not None else None
         return await render(
             request, "health.html", title="Health", page=page, replayed=replayed, live=True
