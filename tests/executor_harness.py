@@ -43,7 +43,8 @@ class ExecTestEvent(Event, abstract=True, event_namespace="exectest"):
 
 
 class Asked(ExecTestEvent, name="asked"):
-    """``mode`` says what the action does: ok, fail, permanent, wait, slow, not_json."""
+    """``mode`` says what the action does: ok, fail, permanent, wait, slow, not_json,
+    own_timeout (a TimeoutError of its own)."""
 
     mode: str
 
@@ -105,6 +106,8 @@ async def work(reaction: Reaction[Bridge]) -> object:
         await gates.release.wait()
     if mode == "not_json":
         return object()
+    if mode == "own_timeout":
+        raise TimeoutError("the upstream API timed out")
     return {"attempt": reaction.attempt, "rule": reaction.rule.name}
 
 

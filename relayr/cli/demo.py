@@ -16,6 +16,7 @@ from relayr.cli.helpers import (
     EXIT_OK,
     WORKER_STOP_MARGIN_S,
     concurrency_option,
+    configure_tracing,
     echo_json,
     run_async,
 )
@@ -133,7 +134,11 @@ def run_demo(*, runs: int, concurrency: int, timeout_s: float, as_json: bool) ->
     home = demo.demo_home()
     home.mkdir(parents=True, exist_ok=True)
     environment = demo.demo_environment(home)
-    settings = Settings.from_env(environment)
+    # the worker's environment: the demo's settings, and the caller's tracing (OTEL_*), so a
+    # traced demo exports its publish, evaluation and enqueue as well as the worker's runs
+    settings = Settings.from_env(child_environment(environment))
+    if settings.tracing:
+        configure_tracing(settings, "demo")
     configure_logging(settings.log_format, level="WARNING")
     plan = demo.Plan.of(runs)
     log_path = home / "worker.log"

@@ -79,10 +79,13 @@ def resolve(actions: Mapping[str, Action[Any]], rule: Rule) -> tuple[Action[Any]
 async def call(action: Action[Any], reaction: Reaction[Any]) -> Ended:
     """Call the action under the rule's timeout and turn what it did into an outcome."""
     limit = reaction.rule.timeout
+    deadline = asyncio.timeout(limit.total_seconds() if limit else None)
     try:
-        async with asyncio.timeout(limit.total_seconds() if limit else None):
+        async with deadline:
             output = await action(reaction)
-    except TimeoutError:
+    except TimeoutError as error:
+        if not deadline.expired():  # the action's own, as from a client it called: its failure
+            return Ended("failed", error=f"{type(error).__name__}: {error}")
         return Ended("failed", error=f"the action timed out after {limit}", reason=reasons.TIMEOUT)
     except RunFailure as failure:
         return Ended.failed(failure)

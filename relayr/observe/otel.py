@@ -48,6 +48,7 @@ SERVICE_NAMES: Final = {
     "worker": "relayr-worker",
     "dispatcher": "relayr-dispatcher",
     "cli": "relayr-cli",
+    "demo": "relayr-demo",
 }
 """The resource's ``service.name`` by role, unless ``OTEL_SERVICE_NAME`` names one."""
 

@@ -103,6 +103,19 @@ async def test_the_rule_timeout_is_honoured(harness: Harness) -> None:
     assert stored.error == "the action timed out after 0:00:00.300000"
 
 
+async def test_an_actions_own_timeout_error_is_its_failure_not_the_rules_timeout(
+    harness: Harness,
+) -> None:
+    run_id = await harness.fire(Asked(mode="own_timeout"))  # exec:work has no timeout
+
+    executed = await harness.execute(run_id)
+
+    assert executed.outcome == "retrying"
+    stored = await harness.run(run_id)
+    assert stored.reason != "timeout"
+    assert stored.error == "TimeoutError: the upstream API timed out"
+
+
 async def test_an_unknown_action_is_a_permanent_failure(harness: Harness) -> None:
     run_id = await harness.fire(Asked(mode="ok"))
     without = dataclasses.replace(harness.application, actions={"slow": slow})

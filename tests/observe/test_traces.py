@@ -227,3 +227,35 @@ def test_one_trace_from_the_publish_to_the_turn_s_end(
     ]
     assert [line["trace_id"] for line in started] == [trace_id]
     assert started[0]["span_id"] == run.span_id
+
+
+def test_a_traced_demo_exports_its_publish_and_enqueue_with_the_workers_runs(
+    tmp_path: Path,
+) -> None:
+    """``relayr demo`` with an OTLP endpoint: its own process (``relayr-demo``) exports the
+    publish, the evaluation and the enqueue, in the traces of the worker's runs."""
+    with receiving() as receiver:
+        environment = relayr_environment(tmp_path)
+        environment["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+        done = subprocess.run(
+            relayr_command("demo", "--runs", "4", "--json"),
+            cwd=tmp_path,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+        def both_ends() -> list[ReceivedSpan] | None:
+            spans = receiver.spans()
+            runs = {s.trace_id for s in spans if s.name.startswith("relayr.run ")}
+            demo = {s.trace_id for s in spans if s.service == "relayr-demo"}
+            return spans if runs & demo else None
+
+        spans = until("the demo's and the worker's spans in one trace", both_ends, timeout_s=WAIT_S)
+    demo = {span.name for span in spans if span.service == "relayr-demo"}
+    assert {"relayr.evaluate", "relayr.enqueue"} <= demo, demo
+    assert any(name.startswith("reflexr.publish") for name in demo), demo
+    assert "relayr-worker" in {span.service for span in spans}
