@@ -30,7 +30,7 @@ from relayr.runtime.application import Application, load_application
 from relayr.runtime.bridge import Bridge
 from relayr.settings import Settings
 
-type Role = Literal["worker", "dispatcher", "cli"]
+type Role = Literal["worker", "dispatcher", "cli", "demo"]
 
 RECOVERY_ACTOR = ArtifactSystemActor(name="relayr")
 """Who lists and opens artifactr workspaces to recover their turns. ``Runner.recover`` acts as
