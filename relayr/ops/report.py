@@ -52,8 +52,8 @@ type TurnStatus = Literal["completed", "failed", "stopped", "running", "stalled"
 
 type TurnTook = Literal["started", "steered"]
 """How a turn took a message: it ``started`` with it (artifactr's ``run_started`` names it), or
-it was running and took it on the way (``steered``: a message of the turn's own author, before
-any other author's, up to the thread's runner cursor ``taken``)."""
+it was running and took it on the way (``steered``: its watcher delivered it; see
+:func:`who_took`)."""
 
 TOOK: Final[dict[str, str]] = {
     "started": "started the turn",
@@ -252,7 +252,7 @@ async def _turns(
         }
     except ArtifactRejection:
         return [Turn(message, thread, None, "untaken") for thread, message in sorted(sent)]
-    took = _who_took(log, taken_up_to)
+    took = who_took(log, taken_up_to)
     ended: dict[str, RunEnded] = {}
     last_seen: dict[str, datetime] = {}
     for envelope in log:
@@ -281,36 +281,40 @@ async def _turns(
     return turns
 
 
-def _who_took(log: Sequence[Any], taken_up_to: dict[str, int]) -> dict[str, tuple[str, TurnTook]]:
+def who_took(log: Sequence[Any], taken_up_to: dict[str, int]) -> dict[str, tuple[str, TurnTook]]:
     """Which turn took each message of the threads' log, and how (:data:`TurnTook`).
 
-    A turn names the messages it started with; one that is running takes, through its watcher,
-    the next messages of its own author, until another author's message comes (that one waits
-    for the next turn) and no further than the thread's ``taken`` cursor.
+    artifactr takes a thread's messages in order, each by one turn. A turn names the messages it
+    starts with; the messages before them that no turn named were taken by the turn before it,
+    running (its watcher delivered them). After the last turn's start, the messages up to the
+    thread's ``taken`` cursor are that turn's too; later ones no turn has taken yet.
     """
-    from artifactr.core import MessagePosted, RunEnded, RunStarted, same_principal
+    from artifactr.core import MessagePosted, RunStarted
 
-    started: dict[str, str] = {}
-    steered: dict[str, str] = {}
-    running: dict[str, tuple[str, Any]] = {}
-    """Per thread, the running turn that may still take messages: its id and its actor."""
+    took: dict[str, tuple[str, TurnTook]] = {}
+    waiting: dict[str, list[str]] = {}
+    """Per thread, its messages not yet known to be taken, in order, with their seqs."""
+    seqs: dict[str, int] = {}
+    last: dict[str, str] = {}
+    """Per thread, the turn that started last: it takes what waits until the next one starts."""
     for envelope in log:
         event, thread = envelope.event, envelope.thread_id
-        if isinstance(event, RunStarted):
-            running[thread] = (event.run_id, envelope.actor)
-            for message_id in event.message_ids:
-                started.setdefault(message_id, event.run_id)
-        elif isinstance(event, RunEnded):
-            if running.get(thread, ("",))[0] == event.run_id:
-                del running[thread]
-        elif isinstance(event, MessagePosted) and event.kind == "message" and event.run_id is None:
-            if thread not in running or event.message_id in started:
-                continue
-            turn_id, actor = running[thread]
-            if same_principal(envelope.actor, actor) and envelope.seq <= taken_up_to[thread]:
-                steered.setdefault(event.message_id, turn_id)
-            else:
-                del running[thread]  # another author's message: the turn takes no more
-    took: dict[str, tuple[str, TurnTook]] = {m: (t, "steered") for m, t in steered.items()}
-    took.update({message: (turn, "started") for message, turn in started.items()})
+        if isinstance(event, MessagePosted) and event.kind == "message" and event.run_id is None:
+            waiting.setdefault(thread, []).append(event.message_id)
+            seqs[event.message_id] = envelope.seq
+        elif isinstance(event, RunStarted):
+            named = set(event.message_ids)
+            queue = waiting.get(thread, [])
+            first = min((queue.index(m) for m in named if m in queue), default=len(queue))
+            for message_id in queue[:first]:
+                if thread in last:
+                    took[message_id] = (last[thread], "steered")
+            for message_id in named:
+                took.setdefault(message_id, (event.run_id, "started"))
+            waiting[thread] = [m for m in queue[first:] if m not in named]
+            last[thread] = event.run_id
+    for thread, queue in waiting.items():
+        for message_id in queue:
+            if thread in last and seqs[message_id] <= taken_up_to.get(thread, 0):
+                took[message_id] = (last[thread], "steered")
     return took

@@ -11,7 +11,7 @@ from pydantic_ai import Agent, ModelResponse, TextPart
 from pydantic_ai.messages import ModelMessage
 from pydantic_ai.models.function import AgentInfo
 
-from relayr.ops.report import TAKEN_CURSOR, _who_took
+from relayr.ops.report import TAKEN_CURSOR, who_took
 from rules.example.agent import TriageNote
 
 WAIT_S = 30.0
@@ -57,7 +57,7 @@ async def test_a_running_turn_takes_its_authors_messages_and_not_anothers() -> N
     finally:
         await runner.aclose()
 
-    took = _who_took(log, {thread: taken})
+    took = who_took(log, {thread: taken})
     turns = [e.event.run_id for e in log if isinstance(e.event, RunStarted)]
     assert len(turns) >= 2
     assert took["a-1"] == (turns[0], "started")
@@ -81,7 +81,7 @@ def test_a_message_past_the_taken_cursor_was_taken_by_no_turn() -> None:
             (alice, "message", "a-2"),
         ]
     )
-    took = _who_took(log, {"thr_1": 2})
+    took = who_took(log, {"thr_1": 2})
     assert took == {"a-1": ("run_1", "started")}
 
 
