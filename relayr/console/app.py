@@ -239,10 +239,18 @@ def create_app(console: Console) -> Starlette:
         return form, actor_of(request)
 
     async def home(request: Request) -> Response:
-        figures, health = await asyncio.gather(overview(runtime), reads.health_page(runtime))
+        figures, health, limits = await asyncio.gather(
+            overview(runtime), reads.health_page(runtime), reads.limits_page(runtime)
+        )
         banner.saw(health.problems)
         return await render(
-            request, "overview.html", title="Overview", page=figures, health=health, live=True
+            request,
+            "overview.html",
+            title="Overview",
+            page=figures,
+            health=health,
+            limits=limits,
+            live=True,
         )
 
     async def healthz(request: Request) -> Response:
@@ -320,6 +328,10 @@ def create_app(console: Console) -> Starlette:
         return await render(
             request, "allowlist.html", title="Allowlist", page=reads.allowlist_page(runtime)
         )
+
+    async def limits(request: Request) -> Response:
+        page = await reads.limits_page(runtime)
+        return await render(request, "limits.html", title="Limits", page=page, live=True)
 
     async def health(request: Request) -> Response:
         page = await reads.health_page(runtime)
@@ -559,6 +571,7 @@ def create_app(console: Console) -> Starlette:
         ("/event", event, "GET"),
         ("/thread", thread, "GET"),
         ("/allowlist", allowlist, "GET"),
+        ("/limits", limits, "GET"),
         ("/health", health, "GET"),
         ("/audit", audit, "GET"),
         ("/login", login_form, "GET"),

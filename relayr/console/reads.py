@@ -34,6 +34,7 @@ from relayr.observe.health import (
     check_supervisor,
     heartbeat_path,
 )
+from relayr.ops.limits import LimitUse, limit_uses, with_waits
 from relayr.ops.report import RunReport, show_run
 from relayr.ops.rows import RunRow, find_run, list_runs
 from relayr.ops.transcript import ThreadEntry, read_thread
@@ -291,7 +292,7 @@ async def runs_page(runtime: Runtime, query: RunQuery) -> RunsPage:
     now = rules.clock()
     known = rule_names(runtime)
     rows = await list_runs(rules, query.run_filter(now, limit=PAGE_SIZE + 1, known=known))
-    shown = rows[:PAGE_SIZE]
+    shown = await with_waits(rows[:PAGE_SIZE], runtime.bridge.limits)
     more = len(rows) > PAGE_SIZE
     return RunsPage(
         query=query,
@@ -404,6 +405,31 @@ def allowlist_page(runtime: Runtime) -> AllowlistPage:
         grants=[RuleGrant(rule, allowlists.explain(rule).to_json()) for rule in names],
         warnings=warnings(allowlists, names),
     )
+
+
+@dataclass(frozen=True)
+class LimitsPage:
+    """Each bound of each limit in the allowlist file, its use now and the runs waiting on it
+    (``relayr limits``), or the file's problems when it is invalid."""
+
+    path: str
+    uses: list[LimitUse] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def waiting(self) -> int:
+        return sum(use.waiting for use in self.uses)
+
+
+async def limits_page(runtime: Runtime) -> LimitsPage:
+    path = runtime.settings.allowlist
+    try:
+        allowlists = load_allowlist(path)
+    except InvalidAllowlist as invalid:
+        return LimitsPage(path=str(path), problems=list(invalid.problems))
+    clock = runtime.application.rules.clock
+    uses = await limit_uses(allowlists.limits, runtime.bridge.limits, now=clock())
+    return LimitsPage(path=str(path), uses=uses)
 
 
 async def health_page(runtime: Runtime) -> HealthPage:

@@ -11,13 +11,17 @@ import asyncio
 import html
 import json
 import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from reflexr import SourceActor
-from reflexr.workspace import Reactor
+from reflexr.workspace import Reactor, WorkspaceRef
 
+from relayr.execution.limiting import checks_for
+from relayr.ledger.limits import RunKey
+from relayr.runtime.allowlist_file import load_allowlist
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.console.console_http import SCRIPT, WHERE, environment_of
@@ -108,3 +112,59 @@ def test_a_run_id_two_workspaces_hold_is_shown_with_its_workspace_only(tmp_path:
 
 def page_of(client: Client, url: str) -> str:
     return html.unescape(client.get(url)[1])
+
+
+def test_the_limits_page_and_the_runs_a_limit_holds_back(tmp_path: Path) -> None:
+    """Two runs of a rule bound to one run in flight: the first holds the slot (admitted, as a
+    worker's claim admits it, in the limit store every worker counts in), the second waits. The
+    limits page shows the use and the wait, the runs page says why the run waits, and the
+    overview counts it."""
+    allowlist = tmp_path / "allowlist.toml"
+    allowlist.write_text('[limits.gate]\nrules = ["console:hostile"]\nruns_in_flight = 1\n')
+    environment = environment_of(tmp_path, allowlist=allowlist)
+    for payload in ("first", "second"):
+        data = json.dumps({"thread_id": "thr_1", "payload": payload})
+        relayr(environment, "publish", WHERE, "consolew:hostile", "--data", data)
+
+    async def one_waits() -> str:
+        runtime = await Runtime.start(Settings.from_env(environment), role="cli")
+        async with runtime:
+            rules = runtime.application.rules
+            await Reactor(rules, actions=runtime.application.actions).evaluate()
+            log = await rules.open("acme", "ops", actor=SourceActor(name="test"))
+            first, second = sorted(await log.runs(), key=lambda run: run.fired_seq)
+            ref, store, now = WorkspaceRef("acme", "ops"), runtime.bridge.limits, rules.clock()
+            allowlists = load_allowlist(allowlist)
+            refusals = [
+                await store.admit(
+                    RunKey("acme", "ops", run.id),
+                    checks_for(allowlists, ref, run),
+                    now=now,
+                    lease_until=now + timedelta(hours=1),
+                )
+                for run in (first, second)
+            ]
+            assert refusals[0] is None
+            assert refusals[1] is not None
+            return second.id
+
+    waiting = asyncio.run(one_waits())
+    with running_console(environment, tmp_path) as console:
+        client = Client()
+        status, page, _ = client.get(console.at("/limits"))
+        assert status == 200, page
+        row = re.search(
+            r'<tr data-limit="limits.gate" data-kind="runs_in_flight".*?</tr>', page, re.S
+        )
+        assert row is not None, page
+        assert re.search(r'class="used">1<', row[0])
+        assert re.search(r'class="waiting"><a [^>]*>1</a>', row[0])
+        runs = page_of(client, console.at("/runs?status=pending"))
+        line = re.search(rf'data-run="{waiting}">.*?</tr>', runs, re.S)
+        assert line is not None, runs
+        assert "waiting: runs_in_flight 1 of limits.gate" in line[0]
+        overview = page_of(client, console.at("/"))
+        waits = re.search(r'<table id="limit-waits">.*?</table>', overview, re.S)
+        assert waits is not None
+        assert "limits.gate" in waits[0]
+        assert ">1</a>" in waits[0]
