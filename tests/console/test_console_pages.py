@@ -25,7 +25,8 @@ from relayr.runtime.allowlist_file import load_allowlist
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.console.console_http import SCRIPT, WHERE, environment_of
-from tests.consoles import Client, Console, relayr, running_console
+from tests.console.test_console_phone import DESK, PHONE, WIDE, shots
+from tests.consoles import Client, Console, chromium, relayr, running_console
 
 
 def test_stored_markup_comes_back_as_text(read_only: tuple[Console, str]) -> None:
@@ -168,3 +169,13 @@ def test_the_limits_page_and_the_runs_a_limit_holds_back(tmp_path: Path) -> None
         assert waits is not None
         assert "limits.gate" in waits[0]
         assert ">1</a>" in waits[0]
+        with chromium() as browser:
+            folder = shots(tmp_path)
+            for size, viewport in (("375", PHONE), ("1280", DESK)):
+                page = browser.new_page(viewport=viewport)
+                for path, name in (("/limits", "limits"), ("/runs?status=pending", "waiting")):
+                    page.goto(console.at(path))
+                    page.screenshot(path=str(folder / f"{name}-{size}.png"), full_page=True)
+                    width = page.evaluate("() => document.documentElement.scrollWidth")
+                    assert width <= viewport["width"], (path, width, page.evaluate(WIDE))
+                page.close()
