@@ -18,7 +18,7 @@ from relayr.cli.helpers import echo_json, fail, load_settings, run_async
 def limits(file: Path | None, as_json: bool) -> None:
     """Each limit of the allowlist file: its bounds, what each uses now, and the runs waiting."""
     from relayr.core.errors import InvalidAllowlist
-    from relayr.ops.limits import LimitUse, limit_uses
+    from relayr.ledger.limits import LimitUse, limit_uses
     from relayr.runtime.allowlist_file import load_allowlist
     from relayr.runtime.application_parts import opened_limits
 

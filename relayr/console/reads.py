@@ -23,6 +23,7 @@ from relayr.core.parsing import ID_PATTERN
 from relayr.follow.follower import followers_of
 from relayr.follow.reports import Replayed, WorkspaceStatus
 from relayr.follow.store import DeadLetter
+from relayr.ledger.limits import LimitUse, limit_uses
 from relayr.ledger.port import WorkspaceKey
 from relayr.observe.health import (
     DEFAULT_MAX_AGE_S,
@@ -34,7 +35,7 @@ from relayr.observe.health import (
     check_supervisor,
     heartbeat_path,
 )
-from relayr.ops.limits import LimitUse, limit_uses, with_waits
+from relayr.ops.limits import with_waits
 from relayr.ops.report import RunReport, show_run
 from relayr.ops.rows import RunRow, find_run, list_runs
 from relayr.ops.transcript import ThreadEntry, read_thread

@@ -29,12 +29,16 @@ from reflexr.workspace import Reactor, RunPolicy, WorkspaceRef
 
 from relayr import broker
 from relayr.core import reasons
+from relayr.core.errors import InvalidAllowlist
 from relayr.core.fairness import FairQueue, Message
 from relayr.core.run_messages import MAX_BATCH_RUNS, RunMessage
 from relayr.dispatch.changes import ChangeFeed, Changes, Workspace, feed_for
 from relayr.dispatch.evaluation import evaluate_each
 from relayr.dispatch.shards import InMemoryShardStore, Shards, SqlShardStore
-from relayr.observe import telemetry
+from relayr.ledger.limits import limit_uses
+from relayr.observe import hooks, telemetry
+from relayr.observe.hooks import LimitsUsed
+from relayr.runtime.allowlist_file import load_allowlist
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 
@@ -70,6 +74,10 @@ bound keeps one pass's read and memory small."""
 MESSAGES_PER_BURST: Final = 4
 """Into how many messages at least a workspace's due runs are split (up to MAX_BATCH_RUNS runs
 each), so a handful of due runs still reaches several worker processes."""
+
+LIMITS_REPORT_S: Final = 15.0
+"""How often a dispatcher reads what the operators' limits use, for the gauges
+``relayr_limit_used`` and ``relayr_limit_waiting`` (a scrape's usual interval)."""
 
 EVALUATION_BATCH: Final = 100
 """How many workspaces one pass evaluates (and follows) at most: a burst of changes across
@@ -228,6 +236,7 @@ class Dispatcher:
         self._followed_to: dict[Workspace, int] = {}
         self._to_evaluate: dict[Workspace, None] = {}
         self._to_follow: dict[Workspace, None] = {}
+        self._limits_read_at: float | None = None
 
     @property
     def behind(self) -> bool:
@@ -384,6 +393,7 @@ class Dispatcher:
             if await self._keep_shards():
                 changes.everything = True
             more = False
+            await self.report_limits()
             try:
                 done = await self.pass_once(enqueue, changes)
                 more = self.behind or (self._due_read_at is None and done.enqueued > 0)
@@ -394,6 +404,28 @@ class Dispatcher:
                 continue
             until_sweep = self._sweep_s - (self._monotonic() - swept_at)
             await _first_of(feed, stop, max(0.0, min(self._interval_s, until_sweep)))
+
+    async def report_limits(self) -> None:
+        """Say what each bound of the allowlist file's limits uses now (a ``LimitsUsed`` fact,
+        which the metrics observer turns into gauges), at most every :data:`LIMITS_REPORT_S`.
+        A store that fails is logged and read again then."""
+        now = self._monotonic()
+        if self._limits_read_at is not None and now - self._limits_read_at < LIMITS_REPORT_S:
+            return
+        self._limits_read_at = now
+        try:
+            allowlists = load_allowlist(self._runtime.settings.allowlist)
+        except InvalidAllowlist:
+            return  # the workers say what is wrong with the file (they keep the last good one)
+        if not allowlists.limits:
+            return
+        try:
+            store, clock = self._runtime.bridge.limits, self._rules.clock
+            uses = await limit_uses(allowlists.limits, store, now=clock())
+        except Exception:
+            logger.warning("the limits' use could not be read", exc_info=True)
+            return
+        hooks.emit(LimitsUsed(tuple((u.limit.key, u.kind, u.used, u.waiting) for u in uses)))
 
     async def _keep_shards(self) -> bool:
         """Keep this dispatcher's shards when it is time; whether it gained some (then the

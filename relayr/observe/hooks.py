@@ -77,6 +77,15 @@ class MessageRedelivered:
     """A run message was delivered again (its worker died, or it was requeued)."""
 
 
+@dataclass(frozen=True)
+class LimitsUsed:
+    """What each bound of each operator's limit uses now, and the runs waiting on it: one
+    ``(limit, kind, used, waiting)`` per bound (``used`` None for a chain's, counted per chain).
+    """
+
+    uses: tuple[tuple[str, str, int | None, int], ...]
+
+
 type Fact = (
     RunClaimed
     | RunEnded
@@ -87,6 +96,7 @@ type Fact = (
     | RunsEnqueued
     | RunLimited
     | MessageRedelivered
+    | LimitsUsed
 )
 type Observer = Callable[[Fact], None]
 

@@ -42,7 +42,7 @@ class _Instruments:
     """The metrics themselves, built once the process knows where values are kept."""
 
     def __init__(self, registry: "CollectorRegistry | None") -> None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         self.runs = Counter(
             "relayr_runs_executed",
@@ -96,6 +96,22 @@ class _Instruments:
             ["rule", "limit"],
             registry=registry,
         )
+        # set by the dispatchers from the limit store every worker counts in: each dispatcher
+        # reads the same counts, so the processes' values agree (the latest is kept)
+        self.limit_used = Gauge(
+            "relayr_limit_used",
+            "What a bound of an operator's limit uses now (slots held, or the window's count).",
+            ["limit", "kind"],
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.limit_waiting = Gauge(
+            "relayr_limit_waiting",
+            "Runs an operator's limit holds back now, by limit and kind.",
+            ["limit", "kind"],
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
         self.turns_drained = Counter(
             "relayr_turns_drained",
             "Turns that ended within a stopping worker's grace period.",
@@ -147,6 +163,18 @@ def record_run(rule: str | None, outcome: str, duration_s: float | None = None) 
 def record_limited(rule: str, limit: str) -> None:
     """Count one run that a limit (``limits.NAME``'s kind, ``triage/turns_per``) held back."""
     _safely(lambda metrics: metrics.runs_limited.labels(rule=rule, limit=limit).inc())
+
+
+def record_limits_used(uses: tuple[tuple[str, str, int | None, int], ...]) -> None:
+    """Each bound's use now and its waiting runs (a chain's use, per chain, is not a gauge)."""
+
+    def record(metrics: _Instruments) -> None:
+        for limit, kind, used, waiting in uses:
+            if used is not None:
+                metrics.limit_used.labels(limit=limit, kind=kind).set(used)
+            metrics.limit_waiting.labels(limit=limit, kind=kind).set(waiting)
+
+    _safely(record)
 
 
 def record_dispatch_lag(lag_s: float) -> None:

@@ -9,6 +9,7 @@ from relayr.observe import hooks, metrics, telemetry
 from relayr.observe.hooks import (
     EmissionMade,
     Fact,
+    LimitsUsed,
     MessageRedelivered,
     RunClaimed,
     RunEnded,
@@ -51,6 +52,8 @@ def count(fact: Fact) -> None:
             metrics.record_limited(rule, limit)
         case MessageRedelivered():
             metrics.record_redelivery()
+        case LimitsUsed(uses=uses):
+            metrics.record_limits_used(uses)
 
 
 def trace(fact: Fact) -> None:

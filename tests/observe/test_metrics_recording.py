@@ -28,6 +28,8 @@ EXPECTED = {
     "relayr_turns_started": ("counter", ()),
     "relayr_turns_drained": ("counter", ()),
     "relayr_runs_limited": ("counter", ("rule", "limit")),
+    "relayr_limit_used": ("gauge", ("limit", "kind")),
+    "relayr_limit_waiting": ("gauge", ("limit", "kind")),
 }
 
 
