@@ -243,19 +243,33 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]
     )
     parser.add_argument("--keep", action="store_true", help="keep each case's home")
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting of relayr run's (a Settings field name, e.g. fair_batch=5); repeatable",
+    )
     args = parser.parse_args(argv)
+    settings: dict[str, str] = {}
+    for given in args.settings:
+        name, sep, value = given.partition("=")
+        if not sep or not name:
+            parser.error(f"--set {given!r}: expected NAME=VALUE")
+        settings[name] = value
     if min(args.floods) < 1 or args.quiet < 1 or args.interval_s <= 0 or args.concurrency < 1:
         parser.error("--floods, --quiet and --concurrency must be at least 1, --interval-s above 0")
     floods = sorted(set(args.floods))
     quiet_logging()
-    emit({"bench": "machine", **machine()})
+    emit({"bench": "machine", **machine(), "settings": settings})
     judged = set(JUDGED_FLOODS) <= set(floods) and args.quiet >= JUDGED_QUIET
     lines: list[dict[str, Any]] = []
     for kind in [kind for kind in ("sqlite", "postgres") if kind in args.storage]:
         if not storage_available(kind):
             emit({"bench": "fairness", "storage": kind, "skipped": "PostgreSQL or Redis is down"})
             continue
-        with deployment(kind, f"fairness-{kind}", keep=args.keep) as deployed:
+        with deployment(kind, f"fairness-{kind}", keep=args.keep, **settings) as deployed:
             results = asyncio.run(
                 measure(deployed, floods, args.quiet, args.interval_s, args.concurrency)
             )

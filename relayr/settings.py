@@ -34,6 +34,7 @@ from pydantic_settings import (
 
 from relayr.core.errors import InvalidSettings
 from relayr.core.fairness import parse_weights
+from relayr.core.run_messages import MAX_BATCH_RUNS
 
 type LogFormat = Literal["json", "console"]
 
@@ -174,6 +175,9 @@ class Settings(BaseSettings):
         fair_messages: How many messages of one workspace may wait in the broker at once; the
             rest of its due runs wait in the dispatcher, handed out fairly between workspaces
             and tenants as workers take messages.
+        fair_batch: How many due runs one message of a workspace carries at most (up to
+            20): a workspace with a backlog holds ``fair_messages`` times this many runs in the
+            broker ahead of another workspace's next run.
         tenant_weights: Tenants' shares of the hand-out (``RELAYR_TENANT_WEIGHTS``, a JSON
             object such as ``{"acme": 2}``); a tenant not named weighs 1.
         dispatch_shards: Into how many shards workspaces are split between dispatchers, each
@@ -216,6 +220,7 @@ class Settings(BaseSettings):
     dispatch_interval_s: _Seconds = 1.0
     dispatch_sweep_s: _Seconds = 30.0
     fair_messages: Annotated[int, Field(ge=1)] = 2
+    fair_batch: Annotated[int, Field(ge=1, le=MAX_BATCH_RUNS)] = MAX_BATCH_RUNS
     tenant_weights: Annotated[dict[str, float], NoDecode, BeforeValidator(_weights)] = Field(
         default_factory=dict
     )
@@ -377,7 +382,7 @@ def _problem(error: ErrorDetails) -> str:
     if kind in ("unnamed", "secret"):
         return f"{variable} is invalid: {error['msg']}"
     if kind in ("greater_than", "greater_than_equal"):
-        whole = ("max_redeliveries", "fair_messages", "dispatch_shards")
+        whole = ("max_redeliveries", "fair_messages", "fair_batch", "dispatch_shards")
         number = int(given) if field in whole else float(given)
         least = (error.get("ctx") or {}).get("ge", 0)
         limit = (
@@ -388,6 +393,9 @@ def _problem(error: ErrorDetails) -> str:
             else "it cannot be negative"
         )
         return f"{variable}={number} is invalid: {limit}"
+    if kind == "less_than_equal" and field in ("fair_batch", "dispatch_shards"):
+        most = (error.get("ctx") or {}).get("le")
+        return f"{variable}={int(given)} is invalid: it must be at most {most}"
     problem = error["msg"] if kind == "unusable" else _PROBLEMS.get(kind, error["msg"].lower())
     shown = redact(given) if isinstance(given, str) else given
     return f"{variable}={shown!r} is invalid: {problem}"

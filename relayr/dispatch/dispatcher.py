@@ -227,7 +227,7 @@ class Dispatcher:
         self._fair: FairQueue[_Due] = FairQueue(
             per_workspace=settings.fair_messages,
             weights=settings.tenant_weights,
-            batch=MAX_BATCH_RUNS,
+            batch=settings.fair_batch,
             spread=MESSAGES_PER_BURST,
         )
         self._due_read_at: float | None = None
