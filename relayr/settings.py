@@ -177,7 +177,7 @@ class Settings(BaseSettings):
             and tenants as workers take messages.
         fair_batch: How many due runs one message of a workspace carries at most (up to
             20): a workspace with a backlog holds ``fair_messages`` times this many runs in the
-            broker ahead of another workspace's next run.
+            broker ahead of another workspace's next run (ADR-0108).
         tenant_weights: Tenants' shares of the hand-out (``RELAYR_TENANT_WEIGHTS``, a JSON
             object such as ``{"acme": 2}``); a tenant not named weighs 1.
         dispatch_shards: Into how many shards workspaces are split between dispatchers, each
@@ -220,7 +220,7 @@ class Settings(BaseSettings):
     dispatch_interval_s: _Seconds = 1.0
     dispatch_sweep_s: _Seconds = 30.0
     fair_messages: Annotated[int, Field(ge=1)] = 2
-    fair_batch: Annotated[int, Field(ge=1, le=MAX_BATCH_RUNS)] = MAX_BATCH_RUNS
+    fair_batch: Annotated[int, Field(ge=1, le=MAX_BATCH_RUNS)] = 5
     tenant_weights: Annotated[dict[str, float], NoDecode, BeforeValidator(_weights)] = Field(
         default_factory=dict
     )

@@ -16,9 +16,9 @@ from reflexr import SourceActor
 from reflexr.core import start
 from reflexr.workspace import run_lease
 
-from relayr.core.run_messages import MAX_BATCH_RUNS
 from relayr.dispatch.dispatcher import DispatchPass
 from relayr.execution.executor import execute_run, execute_runs
+from relayr.settings import Settings
 from tests.dispatch.dispatch_harness import (
     BACKOFF,
     REF,
@@ -43,9 +43,13 @@ async def test_each_due_run_is_enqueued_once(harness: Harness) -> None:
     assert again == []
 
 
+FAIR_BATCH = Settings.model_fields["fair_batch"].default
+"""The most runs of one workspace a message carries, by default."""
+
+
 @pytest.mark.parametrize(
     ("runs", "sizes"),
-    [(2, [1, 1]), (10, [3, 3, 3, 1]), (40, [10] * 4), (100, [MAX_BATCH_RUNS] * 5)],
+    [(2, [1, 1]), (10, [3, 3, 3, 1]), (40, [FAIR_BATCH] * 8), (100, [FAIR_BATCH] * 20)],
 )
 async def test_the_due_runs_of_a_workspace_share_messages(
     harness: Harness, runs: int, sizes: list[int]
