@@ -417,10 +417,6 @@ class LimitsPage:
     uses: list[LimitUse] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
 
-    @property
-    def waiting(self) -> int:
-        return sum(use.waiting for use in self.uses)
-
 
 async def limits_page(runtime: Runtime) -> LimitsPage:
     path = runtime.settings.allowlist
