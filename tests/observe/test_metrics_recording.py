@@ -55,7 +55,8 @@ def test_every_metric_is_declared_with_conventional_names_and_labels() -> None:
         _, labels = EXPECTED[family.name]
         for found in family.samples:
             assert set(found.labels) - {"le"} == set(labels), found
-            assert found.name.removeprefix(family.name) in {"_total", "_bucket", "_sum", "_count"}
+            suffixes = {""} if family.type == "gauge" else {"_total", "_bucket", "_sum", "_count"}
+            assert found.name.removeprefix(family.name) in suffixes
 
 
 def test_record_run_counts_the_outcome_and_times_the_attempt() -> None:
