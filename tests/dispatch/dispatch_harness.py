@@ -42,6 +42,9 @@ BACKOFF = timedelta(hours=1)
 """A retry's wait: no pass takes that long, so a retry is due only once the test moves
 :class:`Later` past it."""
 
+FAIR_BATCH = int(Settings.model_fields["fair_batch"].default)
+"""The most runs one message of a workspace carries, by default (RELAYR_FAIR_BATCH)."""
+
 
 class DispatchTestEvent(Event, abstract=True, event_namespace="dispatchtest"):
     pass

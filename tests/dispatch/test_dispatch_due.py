@@ -18,9 +18,9 @@ from reflexr.workspace import run_lease
 
 from relayr.dispatch.dispatcher import DispatchPass
 from relayr.execution.executor import execute_run, execute_runs
-from relayr.settings import Settings
 from tests.dispatch.dispatch_harness import (
     BACKOFF,
+    FAIR_BATCH,
     REF,
     REQUEUE_AFTER_S,
     TENANT,
@@ -41,10 +41,6 @@ async def test_each_due_run_is_enqueued_once(harness: Harness) -> None:
     assert sorted(enqueued) == sorted(await harness.runs())
     assert second == DispatchPass(due=3, waiting=3)
     assert again == []
-
-
-FAIR_BATCH = Settings.model_fields["fair_batch"].default
-"""The most runs of one workspace a message carries, by default."""
 
 
 @pytest.mark.parametrize(

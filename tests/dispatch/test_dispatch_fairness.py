@@ -17,7 +17,14 @@ from relayr.core.run_messages import RunMessage
 from relayr.dispatch.changes import Changes
 from relayr.execution.executor import execute_runs
 from relayr.settings import Settings
-from tests.dispatch.dispatch_harness import REQUEUE_AFTER_S, RULES, Harness, Ping, opened
+from tests.dispatch.dispatch_harness import (
+    FAIR_BATCH,
+    REQUEUE_AFTER_S,
+    RULES,
+    Harness,
+    Ping,
+    opened,
+)
 
 FAIR_MESSAGES = 2
 FLOOD = ("acme", "flood")
@@ -59,11 +66,6 @@ async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
         yield harness
 
 
-def settings_fair_batch() -> int:
-    """The most runs one message of a workspace carries, by default (RELAYR_FAIR_BATCH)."""
-    return int(Settings.model_fields["fair_batch"].default)
-
-
 async def publish(harness: Harness, workspace: tuple[str, str], count: int) -> None:
     source = await harness.rules.open(*workspace, actor=SourceActor(name="test"))
     for _ in range(count):
@@ -79,7 +81,7 @@ async def test_a_flood_does_not_hold_another_workspaces_run_behind_it(harness: H
     await publish(harness, OTHER_TENANT, 1)
     quiet = await dispatcher.pass_once(sent.enqueue, Changes(rules={QUIET, OTHER_TENANT}))
 
-    held_back = 200 - FAIR_MESSAGES * settings_fair_batch()
+    held_back = 200 - FAIR_MESSAGES * FAIR_BATCH
     assert (flooded.firings, flooded.messages, flooded.withheld) == (200, FAIR_MESSAGES, held_back)
     assert len(sent.of(FLOOD)) == FAIR_MESSAGES
     assert (quiet.firings, quiet.messages) == (2, 2)
