@@ -49,4 +49,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.cli
 
 clean:
-	rm -rf $(VENV) .relayr .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .relayr .pytest_cache .mypy_cache .ruff_cache .hypothesis
