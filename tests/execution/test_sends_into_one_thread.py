@@ -180,9 +180,11 @@ async def scenario(environment: dict[str, str], *, kill: bool) -> None:
 
 
 def collected() -> None:
-    """This process's own reads leave database connections behind under the racing load (not
-    traced to their source yet; the workers' and the dispatcher's are other processes):
-    collected here, their warnings stay with this test instead of failing a later one."""
+    """This process's own reads leave an SQLite connection behind now and then under the
+    racing load: traced to one opened by artifactr's storage for a read of the thread (its
+    ``SqlStorage._all``), dropped by the pool without being closed, not to relayr's code (the
+    workers' and the dispatcher's connections are other processes'). Collected here, its
+    warning stays with this test instead of failing a later one."""
     gc.collect()
 
 
