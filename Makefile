@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.idle
 	$(BIN)/python -m bench.broker
 	$(BIN)/python -m bench.cli
+	$(BIN)/python -m bench.console
 
 clean:
 	rm -rf $(VENV) .relayr .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,6 +1,6 @@
 """relayr's benchmarks: each prints its figures as JSON, one object per line, on stdout.
 
-``make bench`` runs six of them:
+``make bench`` runs seven of them:
 
 - :mod:`bench.targets`: the cases the throughput targets name, each with the floor of the same
   run, then one verdict line per target (docs/performance.md, "Targets");
@@ -11,7 +11,9 @@
   how fast it decides one new event in each of many;
 - :mod:`bench.broker`: messages per second through kombu's filesystem transport and relayr's
   (ADR-0013);
-- :mod:`bench.cli`: each command's wall time beside its reference (ADR-0050).
+- :mod:`bench.cli`: each command's wall time beside its reference (ADR-0050);
+- :mod:`bench.console`: each console page's answer time with 100,000 runs in the store
+  (ADR-0109).
 
 The others measure one thing each, by hand:
 
@@ -34,9 +36,10 @@ case's storage and publishes with ``relayr publish``, :mod:`bench.stamps` reads 
 notice times from the stores, and :mod:`bench.verdicts` prints every benchmark's verdict lines.
 
 They are measurements, not tests: :mod:`bench.targets`, :mod:`bench.latency`,
-:mod:`bench.fairness` and :mod:`bench.idle` judge their targets (and :mod:`bench.cli` says
-``met`` per command), and their verdicts are printed, never asserted. ``docs/performance.md``
-has the figures and what bounds them; ``tests/project/test_bench.py``,
-``tests/project/test_bench_cli.py`` and ``tests/project/test_bench_deciding.py`` only check that
-each one runs, at a tiny size, and prints figures of the right shape.
+:mod:`bench.fairness`, :mod:`bench.idle` and :mod:`bench.console` judge their targets (and
+:mod:`bench.cli` says ``met`` per command), and their verdicts are printed, never asserted.
+``docs/performance.md`` has the figures and what bounds them; ``tests/project/test_bench.py``,
+``tests/project/test_bench_cli.py``, ``tests/project/test_bench_deciding.py`` and
+``tests/project/test_bench_console.py`` only check that each one runs, at a tiny size, and prints
+figures of the right shape.
 """
