@@ -228,7 +228,7 @@ def _serve(
         )
         config = uvicorn.Config(
             app,
-            lifespan="off",  # the runtime is this command's, opened before the server starts
+            lifespan="on",  # the app's: it reads the runs at start (the runtime is this command's)
             log_config=None,  # relayr's logging (stderr, RELAYR_LOG_FORMAT) carries its lines
             server_header=False,
             proxy_headers=False,

@@ -19,8 +19,17 @@ from reflexr.workspace import WorkspaceRef
 
 from relayr.core import reasons
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops.rows import RunRow, list_runs
-from relayr.ops.runs import EnqueueRun, OperatorResult, cancel, find_runs, retry, skip
+from relayr.ops.index import RunIndex
+from relayr.ops.rows import RunRow
+from relayr.ops.runs import (
+    EnqueueRun,
+    OperatorResult,
+    cancel,
+    find_runs,
+    retry,
+    skip,
+    would_retry,
+)
 from relayr.runtime.process import Runtime
 
 from .queries import RunQuery
@@ -155,21 +164,23 @@ async def skip_one(
     return [*missing, *await skip(runtime.application.rules, found, reason=reason, actor=actor)]
 
 
-async def preview_retry(runtime: Runtime, enqueue: EnqueueRun, query: RunQuery) -> Preview:
-    """``relayr runs retry --dead [filters] --dry-run``: nothing changes. Each run that would be
-    retried is checked for what makes it fail again for certain (:func:`fails_again`)."""
+async def preview_retry(runtime: Runtime, query: RunQuery, index: RunIndex) -> Preview:
+    """``relayr runs retry --dead [filters] --dry-run`` (its runs from the console's run
+    index): nothing changes. Each run that would be retried is checked for what makes it fail
+    again for certain (:func:`fails_again`)."""
     rules = runtime.application.rules
+    await index.refreshed()
     run_filter = query.run_filter(rules.clock(), limit=None, known=rule_names(runtime))
-    dead = await list_runs(rules, run_filter)
+    dead = index.select(run_filter)
     unfiltered = dead
     if query.reason is not None:
         run_filter.reason = None
-        unfiltered = await list_runs(rules, run_filter)
+        unfiltered = index.select(run_filter)
     counts: dict[str, int] = {}
     for row in unfiltered:
         counts[row.reason or "-"] = counts.get(row.reason or "-", 0) + 1
     taken = dead[:BULK_RETRY_MAX]
-    results = await retry(rules, taken, enqueue, dry_run=True)
+    results = [would_retry(row, row.status) for row in taken]  # as the index read them just now
     verdicts = []
     for row, done in zip(taken, results, strict=True):
         why = await fails_again(runtime, row) if done.ok else None

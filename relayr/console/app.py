@@ -8,8 +8,9 @@ the overview at ``/`` to ``/healthz`` for probes, are declared in :func:`create_
 """
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -34,6 +35,7 @@ from starlette.staticfiles import StaticFiles
 
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.audit import audit_trail
+from relayr.ops.index import RunIndex
 from relayr.ops.rows import runs_with_id
 from relayr.ops.runs import EnqueueRun, OperatorResult, not_enqueued, operator
 from relayr.runtime.process import Runtime
@@ -145,6 +147,7 @@ def create_app(console: Console) -> Starlette:
     token = console.token
     outcomes = actions.Outcomes()
     banner = HealthBanner(runtime)
+    index = RunIndex(runtime.application.rules, runtime.bridge.limits)
 
     def logged_in(request: Request) -> bool:
         """Whether the request's session holds a login that has not expired; an expired one is
@@ -240,7 +243,7 @@ def create_app(console: Console) -> Starlette:
 
     async def home(request: Request) -> Response:
         figures, health, limits = await asyncio.gather(
-            overview(runtime), reads.health_page(runtime), reads.limits_page(runtime)
+            overview(runtime, index), reads.health_page(runtime), reads.limits_page(runtime)
         )
         banner.saw(health.problems)
         return await render(
@@ -261,7 +264,7 @@ def create_app(console: Console) -> Starlette:
 
     async def runs(request: Request) -> Response:
         query = RunQuery.parse(request.query_params)
-        page = await reads.runs_page(runtime, query)
+        page = await reads.runs_page(runtime, query, index)
         workspaces = await runtime.application.rules.storage.workspaces()
         return await render(
             request,
@@ -279,7 +282,7 @@ def create_app(console: Console) -> Starlette:
         if workspace is None:
             held = await runs_with_id(runtime.application.rules, run_id)
             if len(held) > 1:
-                found = await search(runtime, run_id)
+                found = await search(runtime, run_id, index)
                 return await render(
                     request, "search.html", title=f"Run {run_id}", found=found, ambiguous=True
                 )
@@ -297,7 +300,7 @@ def create_app(console: Console) -> Starlette:
 
     async def find(request: Request) -> Response:
         query = parse_search(request.query_params.get("q"))
-        found = await search(runtime, query)
+        found = await search(runtime, query, index)
         if len(found.hits) == 1 and not found.text:
             return RedirectResponse(found.hits[0].link, status_code=303)
         return await render(request, "search.html", title="Search", found=found, ambiguous=False)
@@ -429,7 +432,7 @@ def create_app(console: Console) -> Starlette:
 
     async def preview_retry(request: Request) -> Response:
         query = RunQuery.parse(request.query_params, status="dead")
-        preview = await actions.preview_retry(runtime, console.enqueue, query)
+        preview = await actions.preview_retry(runtime, query, index)
         return await render(request, "preview.html", title="Retry dead runs", preview=preview)
 
     async def confirm_retry(request: Request) -> Response:
@@ -611,7 +614,27 @@ def create_app(console: Console) -> Starlette:
         BadQuery: bad_query,
         HTTPException: http_error,
     }
-    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        """Read every run into the index as the console starts, so the first page an operator
+        opens does not wait for it (a page asked meanwhile waits for the read to end)."""
+        loading = asyncio.create_task(_warm(index))
+        try:
+            yield
+        finally:
+            loading.cancel()
+
+    return Starlette(
+        routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan
+    )
+
+
+async def _warm(index: RunIndex) -> None:
+    try:
+        await index.refreshed()
+    except Exception:  # the first page reads them, and says why it cannot
+        logger.warning("the console could not read the runs at its start", exc_info=True)
 
 
 AUDIT_SHOWN: Final = 200

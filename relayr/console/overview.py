@@ -6,7 +6,9 @@ an SVG chart on the server; how long the oldest waiting run has waited (dispatch
 figure carries the runs filter that lists the runs behind it, so every number is a link. Health
 (the queue's depth, the followers' lag in time) comes from :func:`relayr.console.reads.health_page`.
 
-Counting reads every run of every workspace once (reflexr's storage offers no count).
+The figures are the console's run index's (:class:`relayr.ops.index.RunIndex`), brought up to
+date first: reflexr's storage offers no count, and the index keeps them as runs change
+(ADR-0109).
 """
 
 from collections import Counter
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 
-from relayr.ops.rows import RunFilter, RunRow, list_runs
+from relayr.ledger.port import WorkspaceKey
+from relayr.ops.index import RunIndex
 from relayr.runtime.process import Runtime
 
 from .queries import STATUS_FILTERS, href
@@ -89,18 +92,21 @@ class Overview:
         return CHART_HEIGHT
 
 
-async def overview(runtime: Runtime) -> Overview:
+async def overview(runtime: Runtime, index: RunIndex) -> Overview:
     """The overview of every run in the store, now."""
-    rules = runtime.application.rules
-    now = rules.clock()
-    rows = await list_runs(rules, RunFilter(limit=None))
-    by_status = Counter(row.status for row in rows)
-    by_rule = Counter(row.rule for row in rows)
-    by_workspace = Counter(str(row.workspace) for row in rows)
-    waiting = [row for row in rows if row.status == "pending" and row.next_attempt_at <= now]
+    await index.refreshed()
+    now = runtime.application.rules.clock()
+    by_status: Counter[str] = Counter()
+    by_rule: Counter[str] = Counter()
+    by_workspace: Counter[WorkspaceKey] = Counter()
+    for (status, rule, where), count in index.tally.items():
+        by_status[status] += count
+        by_rule[rule] += count
+        by_workspace[where] += count
+    waiting = [row for row in index.pending.values() if row.next_attempt_at <= now]
     oldest = min((row.next_attempt_at for row in waiting), default=None)
     return Overview(
-        total=len(rows),
+        total=by_status.total(),
         by_status=[
             Count(status, by_status[status], href("/runs", {"status": status}))
             for status in STATUS_FILTERS
@@ -110,26 +116,23 @@ async def overview(runtime: Runtime) -> Overview:
             for rule, count in sorted(by_rule.items(), key=lambda item: (-item[1], item[0]))
         ],
         by_workspace=[
-            Count(where, count, href("/runs", {"workspace": where}))
-            for where, count in sorted(by_workspace.items(), key=lambda item: (-item[1], item[0]))
+            Count(str(where), count, href("/runs", {"workspace": str(where)}))
+            for where, count in sorted(
+                by_workspace.items(), key=lambda item: (-item[1], str(item[0]))
+            )
         ],
-        hours=_hours(rows, now),
+        hours=_hours(index.hours, now),
         oldest_waiting_s=None if oldest is None else max((now - oldest).total_seconds(), 0.0),
         oldest_waiting=href("/runs", {"status": "pending"}) if waiting else None,
         now=now,
     )
 
 
-def _hours(rows: list[RunRow], now: datetime) -> list[Hour]:
-    """The last :data:`HOURS` whole hours to now, each with its runs by series."""
+def _hours(counts: Counter[tuple[datetime, str]], now: datetime) -> list[Hour]:
+    """The last :data:`HOURS` whole hours to now, each with its runs by series (``counts``: the
+    runs by the hour they last changed in, and their status)."""
     this_hour = now.replace(minute=0, second=0, microsecond=0)
     starts = [this_hour - timedelta(hours=back) for back in range(HOURS - 1, -1, -1)]
-    counts: Counter[tuple[datetime, str]] = Counter()
-    first = starts[0]
-    for row in rows:
-        if row.status in SERIES and row.updated_at >= first:
-            hour = row.updated_at.replace(minute=0, second=0, microsecond=0)
-            counts[(hour, row.status)] += 1
     tallest = max(
         (sum(counts[(start, series)] for series in SERIES) for start in starts), default=0
     )

@@ -1,7 +1,8 @@
 """What the console's pages show, read with the calls the command line makes.
 
-Each page's data comes from the engine function behind the matching command
-(:func:`relayr.ops.rows.list_runs`, :func:`relayr.ops.report.show_run`,
+Each page's data comes from the engine function behind the matching command (the runs
+:func:`relayr.ops.rows.list_runs` lists, from the console's :class:`relayr.ops.index.RunIndex`;
+:func:`relayr.ops.report.show_run`,
 :func:`relayr.ops.transcript.read_thread`, the allowlist's ``explain``, health's checks), so the
 console and the CLI never disagree. Nothing here writes; every read runs on the console's runtime.
 """
@@ -35,9 +36,10 @@ from relayr.observe.health import (
     check_supervisor,
     heartbeat_path,
 )
+from relayr.ops.index import RunIndex
 from relayr.ops.limits import with_waits
 from relayr.ops.report import RunReport, show_run
-from relayr.ops.rows import RunRow, find_run, list_runs
+from relayr.ops.rows import RunRow, find_run
 from relayr.ops.transcript import ThreadEntry, read_thread
 from relayr.runtime.allowlist_file import load_allowlist
 from relayr.runtime.process import Runtime
@@ -286,13 +288,13 @@ def _span(seconds: float) -> str:
     return f"{whole} s"
 
 
-async def runs_page(runtime: Runtime, query: RunQuery) -> RunsPage:
-    """A page of runs (``relayr runs list`` with the page's filter), from the query's cursor,
-    and the cursor of the next page when more follow."""
-    rules = runtime.application.rules
-    now = rules.clock()
+async def runs_page(runtime: Runtime, query: RunQuery, index: RunIndex) -> RunsPage:
+    """A page of runs (``relayr runs list`` with the page's filter, from the console's run
+    index), from the query's cursor, and the cursor of the next page when more follow."""
+    await index.refreshed()
+    now = runtime.application.rules.clock()
     known = rule_names(runtime)
-    rows = await list_runs(rules, query.run_filter(now, limit=PAGE_SIZE + 1, known=known))
+    rows = index.select(query.run_filter(now, limit=PAGE_SIZE + 1, known=known))
     shown = await with_waits(rows[:PAGE_SIZE], runtime.bridge.limits)
     more = len(rows) > PAGE_SIZE
     return RunsPage(

@@ -16,7 +16,8 @@ from artifactr.core import Rejection as ArtifactRejection
 
 from relayr.core.parsing import ID_PATTERN
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops.rows import RunFilter, list_runs, runs_with_id
+from relayr.ops.index import RunIndex
+from relayr.ops.rows import RunFilter, runs_with_id
 from relayr.runtime.process import Runtime
 
 from .queries import MAX_TEXT_CHARS, BadQuery, href
@@ -59,8 +60,9 @@ def parse_search(text: str | None) -> str:
     return query
 
 
-async def search(runtime: Runtime, query: str) -> Found:
-    """Everything ``query`` names, as an id in every workspace; as text when nothing has it."""
+async def search(runtime: Runtime, query: str, index: RunIndex) -> Found:
+    """Everything ``query`` names, as an id in every workspace; as text when nothing has it
+    (in the runs of the console's run index)."""
     if not query:
         return Found(query, [], False)
     hits: list[Hit] = []
@@ -68,7 +70,7 @@ async def search(runtime: Runtime, query: str) -> Found:
         hits = await _by_id(runtime, query)
     if hits:
         return Found(query, hits, False)
-    return Found(query, await _by_text(runtime, query), True)
+    return Found(query, await _by_text(index, query), True)
 
 
 async def _by_id(runtime: Runtime, found_id: str) -> list[Hit]:
@@ -126,12 +128,12 @@ async def _in_artifactr(runtime: Runtime, key: WorkspaceKey, found_id: str) -> l
     return hits
 
 
-async def _by_text(runtime: Runtime, text: str) -> list[Hit]:
-    rules = runtime.application.rules
+async def _by_text(index: RunIndex, text: str) -> list[Hit]:
+    await index.refreshed()
     wanted = text.casefold()
     hits = []
     for status in ("dead", "retrying"):
-        rows = await list_runs(rules, RunFilter(status=status, limit=None, order="changed"))
+        rows = index.select(RunFilter(status=status, limit=None, order="changed"))
         for row in rows:
             if wanted in f"{row.error or ''} {row.reason or ''}".casefold():
                 link = href("/run", {"id": row.id, "workspace": str(row.workspace)})

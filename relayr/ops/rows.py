@@ -19,7 +19,7 @@ from reflexr.workspace import WorkspaceRef, Workspaces
 from relayr.ledger.port import WorkspaceKey
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RunRow:
     """One run as ``runs list`` shows it."""
 
@@ -132,7 +132,7 @@ class RunFilter:
             return False
         if self.reason is not None and row.reason != self.reason:
             return False
-        return self.after is None or _key(row, self.order) < self.after.key()
+        return self.after is None or order_key(row, self.order) < self.after.key()
 
     @property
     def reads_all(self) -> bool:
@@ -181,13 +181,14 @@ async def list_runs(rules: Workspaces, query: RunFilter) -> list[RunRow]:
                 if len(kept) >= wanted:
                     break
                 size *= 2
-            kept.sort(key=lambda row: _key(row, query.order), reverse=True)
+            kept.sort(key=lambda row: order_key(row, query.order), reverse=True)
             lists.append(kept)
-    merged = heapq.merge(*lists, key=lambda row: _key(row, query.order), reverse=True)
+    merged = heapq.merge(*lists, key=lambda row: order_key(row, query.order), reverse=True)
     return list(itertools.islice(merged, wanted))
 
 
-def _key(row: "RunRow", order: RunOrder) -> OrderKey:
+def order_key(row: "RunRow", order: RunOrder) -> OrderKey:
+    """Where ``row`` is in a listing's ``order`` (compared newest first)."""
     moment = row.created_at if order == "created" else row.updated_at
     return (moment, row.fired_seq, row.tenant_id, row.workspace_id, row.id)
 

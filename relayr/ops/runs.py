@@ -125,12 +125,7 @@ async def retry(
         nonlocal failed
         if dry_run:
             current = await rules.storage.run(_ref(row), row.id)
-            if current is None or current.status in ("succeeded", "running"):
-                status = "gone" if current is None else current.status
-                return OperatorResult(
-                    row.id, str(row.workspace), False, f"cannot retry a {status} run"
-                )
-            return OperatorResult(row.id, str(row.workspace), True, "would retry", current.status)
+            return would_retry(row, None if current is None else current.status)
         handle = await rules.open(row.tenant_id, row.workspace_id, actor=actor)
         retried = await handle.retry_run(row.id)
         if failed is None:
@@ -154,6 +149,16 @@ async def retry(
         return OperatorResult(row.id, str(row.workspace), True, detail, retried.status, False, code)
 
     return [await _guarded(row, retry_one) for row in targets]
+
+
+def would_retry(row: RunRow, status: str | None) -> OperatorResult:
+    """What a retry would do to ``row`` if it is now in ``status`` (None: it is gone), as
+    ``runs retry --dry-run`` says it."""
+    if status is None or status in ("succeeded", "running"):
+        return OperatorResult(
+            row.id, str(row.workspace), False, f"cannot retry a {status or 'gone'} run"
+        )
+    return OperatorResult(row.id, str(row.workspace), True, "would retry", status)
 
 
 def not_enqueued(results: Sequence[OperatorResult], broker: str) -> str | None:

@@ -1,0 +1,244 @@
+"""Every run of every workspace, kept in one process and brought up to date from reflexr's logs.
+
+reflexr's storage API lists a workspace's runs newest created first, with no count and no order
+by change, so a count, an order by change or a text search reads every run (ADR-0097). A
+:class:`RunIndex` reads every run once, then only what changed (ADR-0109): reflexr saves a run
+in the transaction that appends its fact (``reflexr:rule_fired`` names the run a firing
+created, ``reflexr:run_*`` the run that changed, ``reflexr:rule_archived`` a rule whose runs it
+cancelled), so reading a workspace's log after the head it was read to names every run to read
+again, by id. The one change without a fact is relayr's own: a limit that holds a run back
+moves its due time (:mod:`relayr.execution.limiting`), and the limit store records the run
+waiting first; so a run the limit store holds waiting is read again while the index holds it
+due.
+
+Guarantee: after :meth:`RunIndex.refreshed`, the index holds every run as it was committed
+before the refresh began, or later. Runs are read through reflexr's storage API only
+(ADR-0001). Its figures (:attr:`RunIndex.tally`, :attr:`RunIndex.hours`) are kept as runs
+change, so reading them costs nothing per run.
+"""
+
+import asyncio
+import heapq
+from collections import Counter
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Final
+
+from reflexr.core import (
+    WAITING,
+    RuleFired,
+    Run,
+    RunCancelled,
+    RunDeadLettered,
+    RunProgressed,
+    RunRequeued,
+    RunRetrying,
+    RunSkipped,
+    RunStarted,
+    RunSucceeded,
+)
+from reflexr.workspace import WorkspaceRef, Workspaces
+
+from relayr.ledger.limits import LimitStore
+from relayr.ledger.port import WorkspaceKey
+from relayr.ops.rows import RunFilter, RunRow, order_key
+
+RUN_CHANGES: Final = (
+    RunStarted,
+    RunProgressed,
+    RunRetrying,
+    RunSucceeded,
+    RunDeadLettered,
+    RunCancelled,
+    RunRequeued,
+    RunSkipped,
+)
+"""The facts reflexr appends with every change of a run it saves (archiving a rule included:
+it appends each cancelled run's ``run_cancelled``)."""
+
+RUN_FACTS: Final = tuple(fact.event_type for fact in (RuleFired, *RUN_CHANGES))
+"""What the index reads of a log: a run's creation (its firing) and its changes."""
+
+READ_BATCH: Final = 1000
+"""Facts read per read of a log."""
+
+RELOAD_ABOVE: Final = 500
+"""A workspace with more changed runs than this since the last refresh is read whole again: one
+read of every run costs less than as many reads by id."""
+
+type Tally = Counter[tuple[str, str, WorkspaceKey]]
+"""How many runs have each status, rule and workspace."""
+
+
+def hour_of(moment: datetime) -> datetime:
+    """The whole hour a moment falls in."""
+    return moment.replace(minute=0, second=0, microsecond=0)
+
+
+@dataclass
+class _Workspace:
+    """One workspace's runs, read to its log's ``head``."""
+
+    ref: WorkspaceRef
+    head: int
+    rows: dict[str, RunRow] = field(default_factory=dict)
+
+
+class RunIndex:
+    """Every run of every workspace, as of the last :meth:`refreshed` (see the module).
+
+    Attributes:
+        tally: How many runs have each ``(status, rule, workspace)``.
+        hours: How many runs last changed in each ``(hour, status)``.
+        pending: The pending runs, by workspace and id.
+    """
+
+    def __init__(self, rules: Workspaces, limits: LimitStore | None = None) -> None:
+        self.rules = rules
+        self.limits = limits
+        self.tally: Tally = Counter()
+        self.hours: Counter[tuple[datetime, str]] = Counter()
+        self.pending: dict[tuple[WorkspaceKey, str], RunRow] = {}
+        self._workspaces: dict[WorkspaceKey, _Workspace] = {}
+        self._lock = asyncio.Lock()
+
+    def __len__(self) -> int:
+        return sum(len(workspace.rows) for workspace in self._workspaces.values())
+
+    async def refreshed(self) -> "RunIndex":
+        """The index, once every run committed before this call is in it."""
+        async with self._lock:
+            storage = self.rules.storage
+            for ref in await storage.workspaces():
+                key = WorkspaceKey(ref.tenant_id, ref.workspace_id)
+                head = await storage.head_seq(ref)
+                known = self._workspaces.get(key)
+                if known is None:
+                    await self._load(ref, head)
+                elif head > known.head:
+                    await self._follow(known, head)
+            await self._read_waiting()
+        return self
+
+    def rows(self) -> Iterator[RunRow]:
+        for workspace in self._workspaces.values():
+            yield from workspace.rows.values()
+
+    def select(self, query: RunFilter) -> list[RunRow]:
+        """The runs :func:`relayr.ops.rows.list_runs` lists for ``query``, in its order."""
+        names: set[str] | None = None
+        if query.rules is not None:
+            names = set(query.rules) & ({query.rule} if query.rule else set(query.rules))
+        elif query.rule is not None:
+            names = {query.rule}
+        kept = (
+            row
+            for key, workspace in self._workspaces.items()
+            if (query.workspace is None or key == query.workspace)
+            and (query.tenant is None or key.tenant_id == query.tenant)
+            for row in workspace.rows.values()
+            if (query.status is None or row.status == query.status)
+            and (names is None or row.rule in names)
+            and query.keeps(row)
+        )
+
+        def key(row: RunRow) -> tuple[datetime, int, str, str, str]:
+            return order_key(row, query.order)
+
+        if query.limit is None:
+            return sorted(kept, key=key, reverse=True)
+        return heapq.nlargest(query.limit, kept, key=key)
+
+    async def _load(self, ref: WorkspaceRef, head: int) -> None:
+        """Read every run of the workspace, its log's ``head`` read first: what commits after
+        it, the facts after it name."""
+        runs = await self.rules.storage.runs(ref)
+        old = self._workspaces.get(_key(ref))
+        if old is not None:
+            for run_id in list(old.rows):
+                self._drop(old, run_id)
+        workspace = _Workspace(ref, head)
+        self._workspaces[_key(ref)] = workspace
+        for run in runs:
+            self._put(workspace, run)
+
+    async def _follow(self, workspace: _Workspace, head: int) -> None:
+        """Read again the runs the facts after the workspace's head name."""
+        storage = self.rules.storage
+        changed: set[str] = set()
+        after = workspace.head
+        while after < head:
+            facts = await storage.read(
+                workspace.ref,
+                after_seq=after,
+                before_seq=head + 1,
+                types=RUN_FACTS,
+                limit=READ_BATCH,
+            )
+            for envelope in facts:
+                event = envelope.event
+                if isinstance(event, RuleFired):
+                    changed.add(event.firing_id)
+                elif isinstance(event, RUN_CHANGES):
+                    changed.add(event.run_id)
+            if len(facts) < READ_BATCH:
+                break
+            after = facts[-1].seq
+        if len(changed) > RELOAD_ABOVE:
+            await self._load(workspace.ref, head)
+            return
+        await self._read_again(workspace, changed)
+        workspace.head = head
+
+    async def _read_again(self, workspace: _Workspace, run_ids: Collection[str]) -> None:
+        for run_id in run_ids:
+            run = await self.rules.storage.run(workspace.ref, run_id)
+            if run is None:
+                self._drop(workspace, run_id)
+            else:
+                self._put(workspace, run)
+
+    async def _read_waiting(self) -> None:
+        """Read again each run the limit store holds waiting that the index holds due: a limit
+        may have moved its due time (the one change of a run without a fact)."""
+        if self.limits is None:
+            return
+        now = self.rules.clock()
+        for wait in await self.limits.waiting():
+            key = WorkspaceKey(wait.run.tenant_id, wait.run.workspace_id)
+            workspace = self._workspaces.get(key)
+            row = None if workspace is None else workspace.rows.get(wait.run.run_id)
+            if workspace and row and row.status in WAITING and row.next_attempt_at <= now:
+                await self._read_again(workspace, [row.id])
+
+    def _put(self, workspace: _Workspace, run: Run) -> None:
+        self._drop(workspace, run.id)
+        row = RunRow.of(workspace.ref, run)
+        workspace.rows[run.id] = row
+        self._count(row, 1)
+
+    def _drop(self, workspace: _Workspace, run_id: str) -> None:
+        row = workspace.rows.pop(run_id, None)
+        if row is not None:
+            self._count(row, -1)
+
+    def _count(self, row: RunRow, change: int) -> None:
+        where = row.workspace
+        _add(self.tally, (row.status, row.rule, where), change)
+        _add(self.hours, (hour_of(row.updated_at), row.status), change)
+        if row.status == "pending":
+            if change > 0:
+                self.pending[(where, row.id)] = row
+            else:
+                self.pending.pop((where, row.id), None)
+
+
+def _add[K](counter: Counter[K], key: K, change: int) -> None:
+    counter[key] += change
+    if counter[key] <= 0:
+        del counter[key]
+
+
+def _key(ref: WorkspaceRef) -> WorkspaceKey:
+    return WorkspaceKey(ref.tenant_id, ref.workspace_id)
