@@ -13,16 +13,19 @@ due.
 
 Guarantee: after :meth:`RunIndex.refreshed`, the index holds every run as it was committed
 before the refresh began, or later. Runs are read through reflexr's storage API only
-(ADR-0001). Its figures (:attr:`RunIndex.tally`, :attr:`RunIndex.hours`) are kept as runs
-change, so reading them costs nothing per run.
+(ADR-0001). Its figures (:attr:`RunIndex.tally`, :attr:`RunIndex.hours`) and its runs sorted
+in both orders of the runs list are kept as runs change, so a page costs what it shows, not
+what the store holds.
 """
 
 import asyncio
-import heapq
+import bisect
+import itertools
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from operator import attrgetter
 from typing import Final
 
 from reflexr.core import (
@@ -42,7 +45,7 @@ from reflexr.workspace import WorkspaceRef, Workspaces
 
 from relayr.ledger.limits import LimitStore
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops.rows import RunFilter, RunRow, order_key
+from relayr.ops.rows import OrderKey, RunFilter, RunOrder, RunRow
 
 RUN_CHANGES: Final = (
     RunStarted,
@@ -67,6 +70,12 @@ RELOAD_ABOVE: Final = 500
 """A workspace with more changed runs than this since the last refresh is read whole again: one
 read of every run costs less than as many reads by id."""
 
+ORDER_KEYS: Final[dict[RunOrder, "attrgetter[OrderKey]"]] = {
+    "created": attrgetter("created_at", "fired_seq", "tenant_id", "workspace_id", "id"),
+    "changed": attrgetter("updated_at", "fired_seq", "tenant_id", "workspace_id", "id"),
+}
+"""Each order's key, as :func:`relayr.ops.rows.order_key` makes it (read in C)."""
+
 type Tally = Counter[tuple[str, str, WorkspaceKey]]
 """How many runs have each status, rule and workspace."""
 
@@ -85,6 +94,43 @@ class _Workspace:
     rows: dict[str, RunRow] = field(default_factory=dict)
 
 
+class _Order:
+    """Every run of the index in one order, kept sorted as runs change, so a page reads its
+    runs from the top instead of comparing every run; sorted again whole after a workspace was
+    read whole."""
+
+    def __init__(self, key: "attrgetter[OrderKey]") -> None:
+        self.key = key
+        self.keys: list[OrderKey] = []
+        self.rows: list[RunRow] = []
+        self.stale = False
+
+    def add(self, row: RunRow) -> None:
+        if not self.stale:
+            key = self.key(row)
+            at = bisect.bisect_left(self.keys, key)
+            self.keys.insert(at, key)
+            self.rows.insert(at, row)
+
+    def remove(self, row: RunRow) -> None:
+        if not self.stale:
+            at = bisect.bisect_left(self.keys, self.key(row))
+            del self.keys[at]
+            del self.rows[at]
+
+    def sort(self, every: Iterable[RunRow]) -> None:
+        """Sort ``every`` run of the index anew, if the order is stale."""
+        if self.stale:
+            self.rows = sorted(every, key=self.key)
+            self.keys = [self.key(row) for row in self.rows]
+            self.stale = False
+
+    def newest(self, before: OrderKey | None) -> Iterator[RunRow]:
+        """The runs newest first, from the last before ``before`` (None: from the newest)."""
+        end = len(self.keys) if before is None else bisect.bisect_left(self.keys, before)
+        return (self.rows[at] for at in range(end - 1, -1, -1))
+
+
 class RunIndex:
     """Every run of every workspace, as of the last :meth:`refreshed` (see the module).
 
@@ -101,6 +147,7 @@ class RunIndex:
         self.hours: Counter[tuple[datetime, str]] = Counter()
         self.pending: dict[tuple[WorkspaceKey, str], RunRow] = {}
         self._workspaces: dict[WorkspaceKey, _Workspace] = {}
+        self._orders = {order: _Order(key) for order, key in ORDER_KEYS.items()}
         self._lock = asyncio.Lock()
 
     def __len__(self) -> int:
@@ -119,6 +166,8 @@ class RunIndex:
                 elif head > known.head:
                     await self._follow(known, head)
             await self._read_waiting()
+            for order in self._orders.values():
+                order.sort(self.rows())
         return self
 
     def rows(self) -> Iterator[RunRow]:
@@ -126,35 +175,40 @@ class RunIndex:
             yield from workspace.rows.values()
 
     def select(self, query: RunFilter) -> list[RunRow]:
-        """The runs :func:`relayr.ops.rows.list_runs` lists for ``query``, in its order."""
+        """The runs :func:`relayr.ops.rows.list_runs` lists for ``query``, in its order, read
+        from the newest (or the cursor) down until enough pass the filters."""
         names: set[str] | None = None
         if query.rules is not None:
             names = set(query.rules) & ({query.rule} if query.rule else set(query.rules))
         elif query.rule is not None:
             names = {query.rule}
-        kept = (
-            row
-            for key, workspace in self._workspaces.items()
-            if (query.workspace is None or key == query.workspace)
-            and (query.tenant is None or key.tenant_id == query.tenant)
-            for row in workspace.rows.values()
-            if (query.status is None or row.status == query.status)
-            and (names is None or row.rule in names)
-            and query.keeps(row)
-        )
-
-        def key(row: RunRow) -> tuple[datetime, int, str, str, str]:
-            return order_key(row, query.order)
-
-        if query.limit is None:
-            return sorted(kept, key=key, reverse=True)
-        return heapq.nlargest(query.limit, kept, key=key)
+        before = None if query.after is None else query.after.key()
+        kept = self._orders[query.order].newest(before)
+        if query.order == "changed" and query.since is not None:
+            since = query.since
+            kept = itertools.takewhile(lambda row: row.updated_at >= since, kept)
+        if query.workspace is not None:
+            where = query.workspace
+            kept = (row for row in kept if row.workspace == where)
+        elif query.tenant is not None:
+            tenant = query.tenant
+            kept = (row for row in kept if row.tenant_id == tenant)
+        if query.status is not None:
+            status = query.status
+            kept = (row for row in kept if row.status == status)
+        if names is not None:
+            kept = (row for row in kept if row.rule in names)
+        if (query.since, query.until, query.reason) != (None, None, None):
+            kept = filter(query.keeps, kept)
+        return list(kept if query.limit is None else itertools.islice(kept, query.limit))
 
     async def _load(self, ref: WorkspaceRef, head: int) -> None:
         """Read every run of the workspace, its log's ``head`` read first: what commits after
         it, the facts after it name."""
         runs = await self.rules.storage.runs(ref)
         old = self._workspaces.get(_key(ref))
+        for order in self._orders.values():
+            order.stale = True
         if old is not None:
             for run_id in list(old.rows):
                 self._drop(old, run_id)
@@ -217,11 +271,15 @@ class RunIndex:
         row = RunRow.of(workspace.ref, run)
         workspace.rows[run.id] = row
         self._count(row, 1)
+        for order in self._orders.values():
+            order.add(row)
 
     def _drop(self, workspace: _Workspace, run_id: str) -> None:
         row = workspace.rows.pop(run_id, None)
         if row is not None:
             self._count(row, -1)
+            for order in self._orders.values():
+                order.remove(row)
 
     def _count(self, row: RunRow, change: int) -> None:
         where = row.workspace

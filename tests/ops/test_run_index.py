@@ -16,7 +16,7 @@ from relayr.ledger import WorkspaceKey
 from relayr.ledger.limits import Check, RunKey
 from relayr.ops import index as index_module
 from relayr.ops.index import RunIndex, hour_of
-from relayr.ops.rows import RunFilter, find_run, list_runs
+from relayr.ops.rows import Cursor, RunFilter, find_run, list_runs
 from relayr.ops.runs import cancel, retry
 from tests.ops.ops_harness import KEY, TENANT, WORKSPACE, WORLD, Flaked, Ops
 
@@ -38,7 +38,18 @@ FILTERS = [
 async def same_as_the_store(index: RunIndex, ops: Ops) -> None:
     await index.refreshed()
     every = await list_runs(ops.rules, RunFilter(limit=None))
-    for query in FILTERS:
+    queries = list(FILTERS)
+    if every:
+        middle = sorted(row.updated_at for row in every)[len(every) // 2]
+        queries += [
+            RunFilter(since=middle, limit=None, order="changed"),
+            RunFilter(since=middle, limit=None),
+        ]
+    for order in ("created", "changed"):
+        first = index.select(RunFilter(limit=2, order=order))
+        if first:  # the next page, from its cursor
+            queries.append(RunFilter(limit=None, order=order, after=Cursor.after(first[-1], order)))
+    for query in queries:
         assert index.select(query) == await list_runs(ops.rules, query), query
     assert index.tally == Counter((row.status, row.rule, row.workspace) for row in every)
     assert index.hours == Counter((hour_of(row.updated_at), row.status) for row in every)
