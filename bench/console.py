@@ -8,17 +8,18 @@ through reflexr's storage API, in transactions of :data:`FILL_BATCH` runs: the
 ``deploy:finished`` event that fired it is appended to the workspace's log and the run saved with
 ``save_runs``, as an evaluation saves the runs it creates. Its status, attempts, error and times
 are set as its last attempt left them: evaluating and executing 100,000 runs would take hours,
-and the console reads runs, not how they got there (so the log holds no ``reflexr:run_*``
-facts of these runs).
+and the console reads runs, not how they got there. So the log holds none of these runs'
+facts (``reflexr:rule_fired``, ``reflexr:run_*``), by which a running console's index sees runs
+change (ADR-0109): the console is started after the fill, and reads them all as it starts.
 
 It then starts ``relayr console --port 0`` (a process of its own, on the case's settings, as
 an operator does), and times each page of :func:`pages` over HTTP from this process: one
 request first (a warm-up, timed apart as ``first_ms``), then ``--requests`` more, one at a
 time; a page's figures are their p50, p95 and max in milliseconds, and its status (a search for
 an id answers 303, a redirect to what it found), and the console's memory after them (``VmRSS``
-and its peak, KiB). One JSON line per storage, then one verdict
-line per page and storage (:mod:`bench.verdicts`): its p95 at most :data:`PAGE_MS` with
-100,000 runs (a smaller ``--runs`` prints them marked not judged).
+and its peak, KiB). One JSON line per storage, then one verdict line per page and storage
+(:mod:`bench.verdicts`): its p95 at most :data:`PAGE_MS` with 100,000 runs (a smaller
+``--runs`` prints them marked not judged).
 """
 
 import argparse
