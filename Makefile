@@ -33,8 +33,11 @@ format: $(STAMP)
 	$(BIN)/ruff format relayr tasks rules tests bench
 	$(BIN)/ruff check --fix relayr tasks rules tests bench
 
+# the whole suite, a test module per xdist process: two of them, as the 2-core machine has, since
+# most of a worker test's time is spent waiting on its processes (each test makes its own
+# queue, database, folder and ports, so modules run side by side)
 test: check
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 # a developer's loop: the tests that start no worker process, a module per xdist process
 test-fast: $(STAMP)
