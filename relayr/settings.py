@@ -196,7 +196,10 @@ class Settings(BaseSettings):
         otel_service_name: The resource's ``service.name`` (``OTEL_SERVICE_NAME``) instead of
             the process's role (``relayr-worker``, ``relayr-dispatcher``, ``relayr-cli``).
         console_token: What ``relayr console`` asks before it lets someone act on runs
-            (``RELAYR_CONSOLE_TOKEN``); without it the console only reads (ADR-0070).
+            (``RELAYR_CONSOLE_TOKEN``); without it (and without ``console_tokens``) the console
+            only reads (ADR-0070). Its holder's actions are recorded as ``console``'s.
+        console_tokens: A TOML file of operators' own tokens (``RELAYR_CONSOLE_TOKENS``), one
+            ``name = "token"`` line each: whoever logs in with one acts under its name.
         trace_url: Where a trace is shown (``RELAYR_TRACE_URL``), ``{trace_id}`` standing for
             its id (Jaeger: ``http://localhost:16686/trace/{trace_id}``): the console links a
             run's attempts to their traces; empty, it shows their ids only.
@@ -231,6 +234,7 @@ class Settings(BaseSettings):
     otel_endpoint: Annotated[str, AfterValidator(_endpoint)] = ""
     otel_service_name: str = ""
     console_token: Annotated[SecretStr, AfterValidator(_console_token)] | None = None
+    console_tokens: Path | None = None
     trace_url: Annotated[str, AfterValidator(_trace_url)] = ""
 
     @classmethod

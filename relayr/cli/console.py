@@ -106,8 +106,9 @@ def console(
 ) -> None:
     """Serve the ops console: runs, a run, threads, the allowlist, health; actions with a token.
 
-    Read-only unless RELAYR_CONSOLE_TOKEN is set; then a person logs in with it to retry,
-    cancel and skip runs. Ctrl-C or SIGTERM stops it.
+    Read-only unless RELAYR_CONSOLE_TOKEN (or RELAYR_CONSOLE_TOKENS, a file of operators' own
+    tokens) is set; then a person logs in with a token to retry, cancel and skip runs. Ctrl-C or
+    SIGTERM stops it.
     """
     if probe:
         _probe(host, port)
@@ -116,13 +117,17 @@ def console(
     hosts = parse_allowed_hosts(allowed_hosts)
     header = parse_operator_header(operator_header)
     settings = load_settings(log_level="INFO")
-    if settings.console_token is None:
+    operators = operators_of(settings)
+    if settings.console_token is None and not operators:
         access = "read-only: RELAYR_CONSOLE_TOKEN is not set"
-    else:
+    elif not operators:
         access = "actions for whoever logs in with RELAYR_CONSOLE_TOKEN"
+    else:
+        access = f"actions for {len(operators)} operators with their own tokens"
+        access += " and RELAYR_CONSOLE_TOKEN's holder" if settings.console_token else ""
     listener = _listen(host, port)
     try:
-        _serve(settings, listener, access, hosts, https_only, header)
+        _serve(settings, listener, access, hosts, https_only, header, operators)
     finally:
         listener.close()
 
@@ -182,6 +187,31 @@ def parse_operator_header(value: str | None) -> str | None:
     return name
 
 
+def operators_of(settings: "Settings") -> dict[str, str]:
+    """The operators' own tokens (``RELAYR_CONSOLE_TOKENS``), by name; none without the file.
+
+    Raises:
+        BadInput: Naming the file and what is wrong with it, or a token that is also
+            ``RELAYR_CONSOLE_TOKEN``.
+    """
+    if settings.console_tokens is None:
+        return {}
+    from relayr.console.operators import InvalidTokens, load_tokens
+
+    try:
+        operators = load_tokens(settings.console_tokens)
+    except InvalidTokens as error:
+        fail(f"RELAYR_CONSOLE_TOKENS {error}")
+    shared = settings.console_token
+    for name, token in operators.items():
+        if shared is not None and token == shared.get_secret_value():
+            fail(
+                f"RELAYR_CONSOLE_TOKENS {settings.console_tokens}: operator {name!r}: the token "
+                "is RELAYR_CONSOLE_TOKEN too; give each its own"
+            )
+    return operators
+
+
 def _serve(
     settings: "Settings",
     listener: socket.socket,
@@ -189,6 +219,7 @@ def _serve(
     hosts: frozenset[str] | None,
     https_only: bool,
     operator_header: str | None = None,
+    operators: dict[str, str] | None = None,
 ) -> None:
     """Serve the console on ``listener`` until Ctrl-C or SIGTERM."""
     loopback = _is_loopback(listener)
@@ -224,6 +255,7 @@ def _serve(
                 allowed_hosts=hosts,
                 https_only=https_only,
                 operator_header=operator_header,
+                operators=operators or {},
             )
         )
         config = uvicorn.Config(

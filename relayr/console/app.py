@@ -10,7 +10,7 @@ the overview at ``/`` to ``/healthz`` for probes, are declared in :func:`create_
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -51,6 +51,7 @@ from .forms import (
     run_ref,
     text,
 )
+from .operators import SHARED_TOKEN_NAME, holder
 from .overview import overview
 from .queries import BadQuery, RunQuery, href, parse_id, parse_workspace
 from .rendering import STATIC, templates
@@ -77,10 +78,6 @@ logger = structlog.get_logger("relayr.console")
 type Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-DEFAULT_TOKEN_NAME: Final = "console"
-"""The name of ``RELAYR_CONSOLE_TOKEN``'s holder, as actions record it (without an operator
-header)."""
-
 BANNER_TTL_S: Final = 5.0
 """How long the health banner's checks are reused before they are made again: every page shows
 it, and a check reaches the broker and the database."""
@@ -105,6 +102,8 @@ class Console:
             cookie is then Secure, so a browser never sends it in clear.
         operator_header: The request header a trusted proxy names the person in
             (``--operator-header``); None: actions are recorded under the token's name.
+        operators: The operators' own tokens, by name (``RELAYR_CONSOLE_TOKENS``, read by
+            :func:`relayr.console.operators.load_tokens`).
     """
 
     runtime: Runtime
@@ -112,11 +111,14 @@ class Console:
     allowed_hosts: frozenset[str] | None = field(default_factory=frozenset)
     https_only: bool = False
     operator_header: str | None = None
+    operators: Mapping[str, str] = field(default_factory=dict)
 
     @property
-    def token(self) -> str | None:
-        secret = self.runtime.settings.console_token
-        return None if secret is None else secret.get_secret_value()
+    def tokens(self) -> dict[str, str]:
+        """Every token that lets its holder act, by the name the actions record."""
+        shared = self.runtime.settings.console_token
+        named = {} if shared is None else {SHARED_TOKEN_NAME: shared.get_secret_value()}
+        return {**named, **self.operators}
 
 
 class HealthBanner:
@@ -144,7 +146,8 @@ def create_app(console: Console) -> Starlette:
     """The console's app on ``console``'s runtime."""
     pages = templates()
     runtime = console.runtime
-    token = console.token
+    tokens = console.tokens
+    acting = bool(tokens)
     outcomes = actions.Outcomes()
     banner = HealthBanner(runtime)
     index = RunIndex(runtime.application.rules, runtime.bridge.limits)
@@ -161,7 +164,7 @@ def create_app(console: Console) -> Starlette:
         return False
 
     def access(request: Request) -> dict[str, Any]:
-        if token is None:
+        if not acting:
             return {"mode": "read-only", "can_act": False, "csrf": "", "who": ""}
         if logged_in(request):
             return {
@@ -177,7 +180,7 @@ def create_app(console: Console) -> Starlette:
         name of the token the session logged in with."""
         if console.operator_header is not None:
             return request.headers.get(console.operator_header, "").strip()
-        return str(request.session.get("operator") or DEFAULT_TOKEN_NAME)
+        return str(request.session.get("operator") or SHARED_TOKEN_NAME)
 
     def actor_of(request: Request) -> UserActor:
         name = operator_name(request)
@@ -220,7 +223,7 @@ def create_app(console: Console) -> Starlette:
 
     async def checked_form(request: Request) -> FormData:
         """The POST's form, once it is known to come from this console's own page."""
-        if token is None:
+        if not acting:
             raise HTTPException(403, READ_ONLY)
         why = cross_site(request)
         if why is not None:
@@ -339,7 +342,7 @@ def create_app(console: Console) -> Starlette:
     async def health(request: Request) -> Response:
         page = await reads.health_page(runtime)
         banner.saw(page.problems)
-        replayed = request.session.pop("replayed", None) if token is not None else None
+        replayed = request.session.pop("replayed", None) if acting else None
         return await render(
             request, "health.html", title="Health", page=page, replayed=replayed, live=True
         )
@@ -354,7 +357,7 @@ def create_app(console: Console) -> Starlette:
     async def login_page(
         request: Request, after: str, *, status_code: int = 200, error: str | None = None
     ) -> Response:
-        if token is None:
+        if not acting:
             return await render(request, "login.html", title="Log in", next=after, error=error)
         request.session.setdefault("csrf", new_csrf_token())
         return await render(
@@ -370,7 +373,8 @@ def create_app(console: Console) -> Starlette:
     async def login(request: Request) -> Response:
         form = await checked_form(request)
         after = next_path(text(form, "next"))
-        if not same_secret(text(form, "token"), token):
+        name = holder(tokens, text(form, "token"))
+        if name is None:
             logger.warning("console login refused", client=client(request))
             return await login_page(
                 request,
@@ -384,10 +388,10 @@ def create_app(console: Console) -> Starlette:
                 "ops": True,
                 "csrf": new_csrf_token(),
                 LOGGED_IN_AT: int(time.time()),
-                "operator": DEFAULT_TOKEN_NAME,
+                "operator": name,
             }
         )
-        logger.info("console login", client=client(request))
+        logger.info("console login", client=client(request), operator=name)
         return RedirectResponse(after, status_code=303)
 
     async def logout(request: Request) -> Response:
@@ -599,11 +603,11 @@ def create_app(console: Console) -> Starlette:
         Middleware(SecurityHeaders, allowed_hosts=console.allowed_hosts),
         Middleware(BodyLimit),
     ]
-    if token is not None:
+    if acting:
         middleware.append(
             Middleware(
                 SessionMiddleware,
-                secret_key=session_secret(token),
+                secret_key=session_secret(tokens),
                 session_cookie=SESSION_COOKIE,
                 max_age=SESSION_MAX_AGE_S,  # the cookie's; the login's own is LOGGED_IN_AT's
                 same_site="strict",

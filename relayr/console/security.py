@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -74,9 +74,11 @@ referrer stays on this site: ``same-origin``, not ``no-referrer``, under which a
 its own form posts with ``Origin: null``, which :func:`cross_site` must refuse."""
 
 
-def session_secret(token: str) -> str:
-    """The key that signs session cookies: derived from the console's token (HMAC-SHA256)."""
-    return hmac.new(token.encode(), SESSION_KEY_LABEL, hashlib.sha256).hexdigest()
+def session_secret(tokens: Mapping[str, str]) -> str:
+    """The key that signs session cookies: derived from every token with its holder's name
+    (HMAC-SHA256), so a token changed or taken away ends every session."""
+    material = "\n".join(f"{name}={tokens[name]}" for name in sorted(tokens))
+    return hmac.new(material.encode(), SESSION_KEY_LABEL, hashlib.sha256).hexdigest()
 
 
 def new_csrf_token() -> str:

@@ -57,10 +57,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[World, Con
         yield made, console
 
 
-def logged_in(console: Console) -> tuple[Client, str]:
+def logged_in(console: Console, token: str = TOKEN) -> tuple[Client, str]:
     client = Client()
     _, page, _ = client.get(console.at("/login"))
-    status, _, _ = client.post(console.at("/login"), {"csrf": csrf_of(page), "token": TOKEN})
+    status, _, _ = client.post(console.at("/login"), {"csrf": csrf_of(page), "token": token})
     assert status == 303
     _, page, _ = client.get(console.at("/runs"))
     return client, csrf_of(page)
@@ -206,6 +206,41 @@ def test_the_operator_is_named_by_the_proxys_header_when_told(tmp_path: Path) ->
     assert [(a["action"], a["who"], a["reason"]) for a in report["actions"]] == [
         ("skip", "alice", "known outage")
     ]
+
+
+OPERATORS = {"alice": "alice-own-token-0123456789", "bob": "bob-own-token-9876543210"}
+
+
+def test_each_operator_logs_in_with_a_token_of_their_own_and_acts_under_their_name(
+    tmp_path: Path,
+) -> None:
+    tokens = tmp_path / "operators.toml"
+    tokens.write_text("".join(f'{name} = "{token}"\n' for name, token in OPERATORS.items()))
+    environment = relayr_environment(
+        tmp_path,
+        app="tests.console_app:create_console_app",
+        console_token=TOKEN,
+        console_tokens=tokens,
+    )
+    made = make_world(environment, dead=3, dead_elsewhere=0, missing_thread=0, hostile=0, pending=0)
+    acted = dict(zip(("alice", "bob", "console"), made.dead, strict=True))
+    with running_console(environment, tmp_path) as console:
+        for name, run in acted.items():
+            client, csrf = logged_in(console, OPERATORS.get(name, TOKEN))
+            form = {"csrf": csrf, "id": run.id, "workspace": run.where, "reason": f"by {name}"}
+            status, _, _ = client.post(console.at("/run/skip"), form)
+            assert status == 303
+        client = Client()
+        _, page, _ = client.get(console.at("/login"))
+        form = {"csrf": csrf_of(page), "token": OPERATORS["alice"].upper()}
+        status, page, _ = client.post(console.at("/login"), form)
+        assert status == 403
+        assert "not the console's token" in html.unescape(page)
+    for name, run in acted.items():
+        report = show(made, run.id, run.where)
+        assert [(a["action"], a["who"], a["reason"]) for a in report["actions"]] == [
+            ("skip", name, f"by {name}")
+        ]
 
 
 def test_filters_take_pending_a_part_of_a_rule_a_tenant_and_sort_by_change(

@@ -1,14 +1,18 @@
-"""The ``relayr console`` process itself: its probe, a port already in use, and SIGTERM.
+"""The ``relayr console`` process itself: its probe, a port already in use, a bad tokens file,
+and SIGTERM.
 
-``relayr console --probe`` says whether the console answers; a port in use is bad input (exit
-status 2); SIGTERM stops the server, then closes the runtime. Real ``relayr console``
-processes (:mod:`tests.console.console_http`).
+``relayr console --probe`` says whether the console answers; a port in use and an operators'
+tokens file with any problem are bad input (exit status 2, naming what is wrong); SIGTERM stops
+the server, then closes the runtime. Real ``relayr console`` processes
+(:mod:`tests.console.console_http`).
 """
 
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from relayr.cli.processes import relayr_command
 from tests.console.console_http import environment_of
@@ -40,6 +44,44 @@ def test_a_port_in_use_is_bad_input(token_console: Console, tmp_path: Path) -> N
     refused = subprocess.run(probe, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1
     assert "console unhealthy" in refused.stderr
+
+
+SHARED = "console-process-shared-token-0123"
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ('alice = "short"\n', "operator 'alice': use a token of at least 16 characters"),
+        ("alice = [1]\n", "operator 'alice': give the token as a string"),
+        ('alice = "x-0123456789abcdef"\nbob = "x-0123456789abcdef"\n', "is 'alice''s too"),
+        ('alice = "x-0123456789abcdef\n', "not TOML"),
+        ("", "names no operator"),
+        ('console = "x-0123456789abcdef"\n', "the name is RELAYR_CONSOLE_TOKEN's holder's"),
+        (f'alice = "{SHARED}"\n', "operator 'alice': the token is RELAYR_CONSOLE_TOKEN too"),
+        (None, "cannot be read: No such file or directory"),
+    ],
+)
+def test_a_bad_operators_tokens_file_is_bad_input_naming_what_is_wrong(
+    tmp_path: Path, text: str | None, said: str
+) -> None:
+    tokens = tmp_path / "operators.toml"
+    if text is not None:
+        tokens.write_text(text)
+    environment = environment_of(tmp_path, console_token=SHARED, console_tokens=tokens)
+    done = subprocess.run(
+        [sys.executable, "-m", "relayr.cli", "console", "--port", "0"],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"Error: RELAYR_CONSOLE_TOKENS {tokens}" in done.stderr
+    assert said in done.stderr
+    assert SHARED not in done.stderr  # a token is a secret: never told back
+    assert "x-0123456789abcdef" not in done.stderr
 
 
 def test_sigterm_stops_the_server_then_closes_the_runtime(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from urllib.parse import urlencode
 
 import itsdangerous
 
+from relayr.console.operators import SHARED_TOKEN_NAME
 from relayr.console.security import (
     LOGGED_IN_AT,
     SESSION_COOKIE,
@@ -146,7 +147,7 @@ def session_cookie(**session: object) -> dict[str, str]:
     """A ``Cookie`` header with a session signed now with the console's key, as the console
     signs it (Starlette's SessionMiddleware): what a browser holds after a response that renewed
     the cookie, however long ago the login was made."""
-    signer = itsdangerous.TimestampSigner(session_secret(TOKEN))
+    signer = itsdangerous.TimestampSigner(session_secret({SHARED_TOKEN_NAME: TOKEN}))
     signed = signer.sign(base64.b64encode(json.dumps(session).encode())).decode()
     return {"Cookie": f"{SESSION_COOKIE}={signed}"}
 
