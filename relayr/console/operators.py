@@ -29,8 +29,8 @@ def load_tokens(path: Path) -> dict[str, str]:
 
     Raises:
         InvalidTokens: Naming the file and the first problem: unreadable, not TOML, a value
-            that is not a string, a bad name, a token shorter than the console accepts, a
-            token two names share, or no operator at all.
+            that is not a string, a bad name or one given twice, a token shorter than the
+            console accepts, a token two names share, or no operator at all.
     """
     try:
         entries = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -51,6 +51,8 @@ def load_tokens(path: Path) -> dict[str, str]:
             raise InvalidTokens(f"{where}: {error}") from None
         if name.strip() == SHARED_TOKEN_NAME:
             raise InvalidTokens(f"{where}: the name is RELAYR_CONSOLE_TOKEN's holder's")
+        if name.strip() in tokens:
+            raise InvalidTokens(f"{where}: the name is given twice")
         if len(token) < CONSOLE_TOKEN_MIN_CHARS:
             raise InvalidTokens(
                 f"{where}: use a token of at least {CONSOLE_TOKEN_MIN_CHARS} characters"

@@ -58,6 +58,7 @@ SHARED = "console-process-shared-token-0123"
         ('alice = "x-0123456789abcdef\n', "not TOML"),
         ("", "names no operator"),
         ('console = "x-0123456789abcdef"\n', "the name is RELAYR_CONSOLE_TOKEN's holder's"),
+        ('alice = "x-0123456789abcdef"\n" alice" = "y-0123456789abcdef"\n', "given twice"),
         (f'alice = "{SHARED}"\n', "operator 'alice': the token is RELAYR_CONSOLE_TOKEN too"),
         (None, "cannot be read: No such file or directory"),
     ],
