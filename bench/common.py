@@ -131,6 +131,18 @@ def storage_available(kind: StorageKind) -> bool:
     return reachable(PG_HOST, PG_PORT) and reachable(REDIS_HOST, REDIS_PORT)
 
 
+def available_storages(bench: str, chosen: Sequence[str]) -> Iterator[StorageKind]:
+    """The ``chosen`` storage cases that can run here, SQLite first; one that cannot is said
+    skipped, as ``bench``'s line."""
+    for kind in ("sqlite", "postgres"):
+        if kind not in chosen:
+            continue
+        if not storage_available(kind):
+            emit({"bench": bench, "storage": kind, "skipped": "PostgreSQL or Redis is down"})
+            continue
+        yield kind
+
+
 # -- the counting application (runs in every worker process) --------------------------------
 
 

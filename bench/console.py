@@ -37,13 +37,13 @@ from reflexr.workspace import Entry, WorkspaceRef
 
 from bench.common import (
     STORAGES,
+    available_storages,
     emit,
     machine,
     memory_kib,
     note,
     percentile,
     quiet_logging,
-    storage_available,
 )
 from bench.deployed import Deployment, deployment
 from bench.stamps import READER, Stores
@@ -357,10 +357,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     quiet_logging()
     emit({"bench": "machine", **machine()})
     lines: list[dict[str, Any]] = []
-    for kind in [kind for kind in ("sqlite", "postgres") if kind in args.storage]:
-        if not storage_available(kind):
-            emit({"bench": "console", "storage": kind, "skipped": "PostgreSQL or Redis is down"})
-            continue
+    for kind in available_storages("console", args.storage):
         with deployment(kind, f"console-{kind}", keep=args.keep) as deployed:
             figures = measure(deployed, args)
         emit(figures)

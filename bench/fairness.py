@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Final
 
-from bench.common import STORAGES, emit, machine, note, quiet_logging, storage_available
+from bench.common import STORAGES, available_storages, emit, machine, note, quiet_logging
 from bench.deployed import Deployment, deployment
 from bench.stamps import Stores, deploy, latencies_ms, latency_summary, thread_of
 from bench.verdicts import Target, divided
@@ -265,10 +265,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     emit({"bench": "machine", **machine(), "settings": settings})
     judged = set(JUDGED_FLOODS) <= set(floods) and args.quiet >= JUDGED_QUIET
     lines: list[dict[str, Any]] = []
-    for kind in [kind for kind in ("sqlite", "postgres") if kind in args.storage]:
-        if not storage_available(kind):
-            emit({"bench": "fairness", "storage": kind, "skipped": "PostgreSQL or Redis is down"})
-            continue
+    for kind in available_storages("fairness", args.storage):
         with deployment(kind, f"fairness-{kind}", keep=args.keep, **settings) as deployed:
             results = asyncio.run(
                 measure(deployed, floods, args.quiet, args.interval_s, args.concurrency)

@@ -39,6 +39,7 @@ from reflexr import Event
 
 from bench.common import (
     STORAGES,
+    available_storages,
     children,
     cpu_s,
     emit,
@@ -46,7 +47,6 @@ from bench.common import (
     note,
     postgres_backends,
     quiet_logging,
-    storage_available,
 )
 from bench.deployed import Deployment, deployment
 from bench.idle_app import APP, Seen
@@ -274,10 +274,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     quiet_logging()
     emit({"bench": "machine", **machine()})
     lines: list[dict[str, Any]] = []
-    for kind in [kind for kind in ("sqlite", "postgres") if kind in args.storage]:
-        if not storage_available(kind):
-            emit({"bench": "idle", "storage": kind, "skipped": "PostgreSQL or Redis is down"})
-            continue
+    for kind in available_storages("idle", args.storage):
         with deployment(kind, f"idle-{kind}", keep=args.keep, app=APP) as deployed:
             figures = measure(deployed, args)
         emit(figures)

@@ -27,11 +27,11 @@ from typing import Any, Final
 from bench.common import (
     STORAGES,
     StorageKind,
+    available_storages,
     emit,
     machine,
     note,
     quiet_logging,
-    storage_available,
 )
 from bench.deployed import Deployment, deployment
 from bench.stamps import Stores, deploy, latencies_ms, latency_summary, thread_of
@@ -119,10 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     emit({"bench": "machine", **machine()})
     size = "full" if args.n >= JUDGED_N else "small"
     lines: list[dict[str, Any]] = []
-    for kind in [kind for kind in ("sqlite", "postgres") if kind in args.storage]:
-        if not storage_available(kind):
-            emit({"bench": "latency", "storage": kind, "skipped": "PostgreSQL or Redis is down"})
-            continue
+    for kind in available_storages("latency", args.storage):
         note(f"latency on {kind}: {args.n} events, one every {args.interval_s} s")
         with deployment(kind, f"latency-{kind}", keep=args.keep) as deployed:
             figures = asyncio.run(measure(deployed, args.n, args.interval_s, args.concurrency))
