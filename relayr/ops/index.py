@@ -1,21 +1,11 @@
 """Every run of every workspace, kept in one process and brought up to date from reflexr's logs.
 
-reflexr's storage API lists a workspace's runs newest created first, with no count and no order
-by change, so a count, an order by change or a text search reads every run (ADR-0097). A
-:class:`RunIndex` reads every run once, then only what changed (ADR-0109): reflexr saves a run
-in the transaction that appends its fact (``reflexr:rule_fired`` names the run a firing
-created, ``reflexr:run_*`` the run that changed, ``reflexr:rule_archived`` a rule whose runs it
-cancelled), so reading a workspace's log after the head it was read to names every run to read
-again, by id. The one change without a fact is relayr's own: a limit that holds a run back
-moves its due time (:mod:`relayr.execution.limiting`), and the limit store records the run
-waiting first; so a run the limit store holds waiting is read again while the index holds it
-due.
-
 Guarantee: after :meth:`RunIndex.refreshed`, the index holds every run as it was committed
-before the refresh began, or later. Runs are read through reflexr's storage API only
-(ADR-0001). Its figures (:attr:`RunIndex.tally`, :attr:`RunIndex.hours`) and its runs sorted
-in both orders of the runs list are kept as runs change, so a page costs what it shows, not
-what the store holds.
+before the refresh began, or later; it reads every run once, then only the runs the facts
+appended since name (and those a limit holds waiting, whose due time moves with no fact).
+Its counts and its runs in both orders of the runs list are kept as runs change, so a page
+costs what it shows, not what the store holds. Runs are read through reflexr's storage API
+only (ADR-0001); why and at what cost: ADR-0109.
 """
 
 import asyncio
