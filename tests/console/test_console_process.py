@@ -20,6 +20,18 @@ from tests.consoles import Console, running_console
 from tests.workers import REPO
 
 
+def console_command(environment: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``relayr console ARGS`` run to its end (it stops at once on bad input)."""
+    return subprocess.run(
+        [sys.executable, "-m", "relayr.cli", "console", *args],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_the_probe_says_whether_the_console_answers(token_console: Console) -> None:
     port = token_console.url.rstrip("/").rsplit(":", 1)[1]
     probe = relayr_command("console", "--probe", "--port", port)
@@ -30,14 +42,7 @@ def test_the_probe_says_whether_the_console_answers(token_console: Console) -> N
 
 def test_a_port_in_use_is_bad_input(token_console: Console, tmp_path: Path) -> None:
     port = token_console.url.rstrip("/").rsplit(":", 1)[1]
-    done = subprocess.run(
-        [sys.executable, "-m", "relayr.cli", "console", "--port", port],
-        cwd=REPO,
-        env=environment_of(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = console_command(environment_of(tmp_path), "--port", port)
     assert done.returncode == 2
     assert f"Error: cannot listen on 127.0.0.1 port {port}: address already in use" in done.stderr
     probe = relayr_command("console", "--probe", "--port", "1")
@@ -70,14 +75,7 @@ def test_a_bad_operators_tokens_file_is_bad_input_naming_what_is_wrong(
     if text is not None:
         tokens.write_text(text)
     environment = environment_of(tmp_path, console_token=SHARED, console_tokens=tokens)
-    done = subprocess.run(
-        [sys.executable, "-m", "relayr.cli", "console", "--port", "0"],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = console_command(environment, "--port", "0")
     assert done.returncode == 2, done.stderr
     assert f"Error: RELAYR_CONSOLE_TOKENS {tokens}" in done.stderr
     assert said in done.stderr
