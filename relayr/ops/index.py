@@ -35,7 +35,7 @@ from reflexr.workspace import WorkspaceRef, Workspaces
 
 from relayr.ledger.limits import LimitStore
 from relayr.ledger.port import WorkspaceKey
-from relayr.ops.rows import OrderKey, RunFilter, RunOrder, RunRow
+from relayr.ops.rows import ORDER_KEYS, OrderKey, RunFilter, RunRow
 
 RUN_CHANGES: Final = (
     RunStarted,
@@ -59,12 +59,6 @@ READ_BATCH: Final = 1000
 RELOAD_ABOVE: Final = 500
 """A workspace with more changed runs than this since the last refresh is read whole again: one
 read of every run costs less than as many reads by id."""
-
-ORDER_KEYS: Final[dict[RunOrder, "attrgetter[OrderKey]"]] = {
-    "created": attrgetter("created_at", "fired_seq", "tenant_id", "workspace_id", "id"),
-    "changed": attrgetter("updated_at", "fired_seq", "tenant_id", "workspace_id", "id"),
-}
-"""Each order's key, as :func:`relayr.ops.rows.order_key` makes it (read in C)."""
 
 type Tally = Counter[tuple[str, str, WorkspaceKey]]
 """How many runs have each status, rule and workspace."""

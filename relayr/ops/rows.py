@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from operator import attrgetter
 from typing import Any, Final, Literal
 
 from reflexr.core import Run
@@ -187,10 +188,17 @@ async def list_runs(rules: Workspaces, query: RunFilter) -> list[RunRow]:
     return list(itertools.islice(merged, wanted))
 
 
+ORDER_KEYS: Final[dict[RunOrder, "attrgetter[OrderKey]"]] = {
+    "created": attrgetter("created_at", "fired_seq", "tenant_id", "workspace_id", "id"),
+    "changed": attrgetter("updated_at", "fired_seq", "tenant_id", "workspace_id", "id"),
+}
+"""Where a run is in each order of a listing (compared newest first), as :meth:`Cursor.key`
+says it; an ``attrgetter``, read in C, since the console's run index sorts every run by it."""
+
+
 def order_key(row: "RunRow", order: RunOrder) -> OrderKey:
     """Where ``row`` is in a listing's ``order`` (compared newest first)."""
-    moment = row.created_at if order == "created" else row.updated_at
-    return (moment, row.fired_seq, row.tenant_id, row.workspace_id, row.id)
+    return ORDER_KEYS[order](row)
 
 
 async def runs_with_id(rules: Workspaces, run_id: str) -> list[RunRow]:
