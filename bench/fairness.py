@@ -16,8 +16,9 @@ workspaces of one tenant made for each phase:
 
 Latency is a notice's commit time minus its event's publish time, throughput a flood's events
 over the time from its first event's publish to its last notice's commit, all read from the
-stores (:mod:`bench.stamps`). One JSON line per phase, then one verdict line per target
-(:mod:`bench.verdicts`): during each flood the quiet workspace's p99 at most
+stores (:mod:`bench.stamps`), with where the quiet events' time went (``quiet_stages_ms``: to
+their runs made, to claimed, to the notice). One JSON line per phase, then one verdict line per
+target (:mod:`bench.verdicts`): during each flood the quiet workspace's p99 at most
 :data:`P99_OVER_ALONE` times its p99 alone; the quiet p99s of the two largest floods within
 :data:`FLOODS_APART` of each other; each flood's throughput beside the quiet workspace at least
 :data:`THROUGHPUT_KEPT` of its throughput alone. A run smaller than :data:`JUDGED_FLOODS` and
@@ -33,7 +34,15 @@ from typing import Any, Final
 
 from bench.common import STORAGES, available_storages, emit, machine, note, quiet_logging
 from bench.deployed import Deployment, deployment
-from bench.stamps import Stores, deploy, latencies_ms, latency_summary, thread_of
+from bench.stamps import (
+    Stages,
+    Stores,
+    deploy,
+    latencies_ms,
+    latency_summary,
+    stage_summaries,
+    thread_of,
+)
 from bench.verdicts import Target, divided
 
 P99_OVER_ALONE: Final = 2.0
@@ -119,7 +128,8 @@ class Phase:
         if self.flood:
             figures.update(self._flood_figures(published, watch.seen, publish_s))
         if self.quiet:
-            figures.update(self._quiet_figures(published, watch.seen))
+            stages = await stores.stages(self.quiet_workspace)
+            figures.update(self._quiet_figures(published, watch.seen, stages))
         figures["load_avg"] = {"before": load_before, "after": machine()["load_avg"]}
         return figures
 
@@ -143,12 +153,16 @@ class Phase:
         }
 
     def _quiet_figures(
-        self, published: Mapping[str, datetime], noticed: Mapping[str, datetime]
+        self,
+        published: Mapping[str, datetime],
+        noticed: Mapping[str, datetime],
+        stages: Mapping[str, Stages],
     ) -> dict[str, Any]:
         milliseconds = latencies_ms(published, noticed, self.quiet_services)
         figures: dict[str, Any] = {
             "quiet_notices": len(milliseconds),
             "quiet_latency_ms": latency_summary(milliseconds),
+            "quiet_stages_ms": stage_summaries(stages, noticed, self.quiet_services),
         }
         if self.flood:
             ends = [noticed[s] for s in self.flood_services if s in noticed]

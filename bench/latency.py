@@ -11,7 +11,11 @@ Per storage (``--storage sqlite postgres``: the embedded default, and Redis with
 when both answer), one JSON line::
 
     {"bench": "latency", "storage": "sqlite", "n": 100, "latency_ms": {"p50": ..., "p90": ...,
-     "p99": ..., "max": ...}, "notices": 100, "complete": true, ...}
+     "p99": ..., "max": ...}, "stages_ms": {"decide": ..., "queue": ..., "act": ...},
+     "notices": 100, "complete": true, ...}
+
+where ``stages_ms`` splits the latency at the run's making and its claim (the same four
+figures each).
 
 then one verdict line per target (:mod:`bench.verdicts`): p50 ≤ 100 ms and p99 ≤ 400 ms on the
 embedded default, p50 ≤ 50 ms and p99 ≤ 250 ms on Redis + PostgreSQL. A run of fewer than
@@ -34,7 +38,14 @@ from bench.common import (
     quiet_logging,
 )
 from bench.deployed import Deployment, deployment
-from bench.stamps import Stores, deploy, latencies_ms, latency_summary, thread_of
+from bench.stamps import (
+    Stores,
+    deploy,
+    latencies_ms,
+    latency_summary,
+    stage_summaries,
+    thread_of,
+)
 from bench.verdicts import Target
 
 LIMITS_MS: Final[Mapping[StorageKind, tuple[float, float]]] = {
@@ -74,6 +85,7 @@ async def measure(
         await deployed.publish_paced(WORKSPACE, events, interval_s)
         complete = await watch.until(services, timeout_s=120.0 + n * 0.5)
         published = await stores.published(WORKSPACE)
+        stages = await stores.stages(WORKSPACE)
     milliseconds = latencies_ms(published, watch.seen, services)
     return {
         "bench": "latency",
@@ -85,6 +97,7 @@ async def measure(
         "complete": complete,
         "duplicates": watch.duplicates,
         "latency_ms": latency_summary(milliseconds),
+        "stages_ms": stage_summaries(stages, watch.seen, services),
         "load_avg": {"before": load_before, "after": machine()["load_avg"]},
     }
 

@@ -24,6 +24,7 @@ from artifactr import Workspace as ArtifactWorkspace
 from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.core import CreateThread, MessagePosted
 from reflexr import SourceActor
+from reflexr.core import RunStarted
 from reflexr.workspace import Workspace as RuleWorkspace
 from reflexr.workspace import Workspaces as RuleWorkspaces
 
@@ -38,6 +39,11 @@ READER: Final = SourceActor(name="relayr-bench")
 """Who the benchmarks read reflexr's logs (and publish, where they publish themselves) as."""
 
 DEPLOY_FINISHED: Final = "deploy:finished"
+
+NOTICE_RULE: Final = "ops:deploy-notice"
+"""The example's rule whose notice a ``deploy:finished`` event makes."""
+
+RUN_STARTED: Final = "reflexr:run_started"
 
 READ_EVERY_S: Final = 1.0
 """How often :meth:`NoticeWatch.until` reads. On SQLite a read takes the write lock, so reading
@@ -75,6 +81,36 @@ def latencies_ms(
         for service in services
         if service in published and service in noticed
     ]
+
+
+@dataclass(frozen=True)
+class Stages:
+    """One event's way to its notice, as the stores stamped it."""
+
+    published: datetime
+    decided: datetime
+    """When its run was made: the dispatcher's evaluation committed."""
+    claimed: datetime | None
+    """When a worker claimed the run's first attempt (None: not yet)."""
+
+
+def stage_summaries(
+    stages: Mapping[str, Stages], noticed: Mapping[str, datetime], services: Iterable[str]
+) -> dict[str, dict[str, float | None]]:
+    """p50, p90, p99 and max of each stage over ``services``: ``decide`` (publish to run made),
+    ``queue`` (run made to claimed) and ``act`` (claimed to notice committed), in ms."""
+    spans: dict[str, list[float]] = {"decide": [], "queue": [], "act": []}
+    for service in services:
+        stage = stages.get(service)
+        if stage is None or stage.claimed is None or service not in noticed:
+            continue
+        for name, start, end in (
+            ("decide", stage.published, stage.decided),
+            ("queue", stage.decided, stage.claimed),
+            ("act", stage.claimed, noticed[service]),
+        ):
+            spans[name].append((end - start).total_seconds() * 1000.0)
+    return {name: latency_summary(values) for name, values in spans.items()}
 
 
 @dataclass
@@ -122,17 +158,40 @@ class Stores:
         """Each ``deploy:finished`` event of ``workspace``'s log: its service, and when it was
         published."""
         handle = await self.rule_workspace(workspace)
-        stamped: dict[str, datetime] = {}
-        after = 0
+        return {
+            str(envelope.data["service"]): envelope.ts
+            for envelope in await self._all(handle, {DEPLOY_FINISHED})
+        }
+
+    async def stages(self, workspace: str) -> dict[str, Stages]:
+        """When each ``deploy:finished`` event of ``workspace`` was published, its run made
+        (decided) and its run's first attempt claimed, by service: where a latency went before
+        the notice."""
+        handle = await self.rule_workspace(workspace)
+        published: dict[int, tuple[str, datetime]] = {}
+        claimed: dict[str, datetime] = {}
+        for envelope in await self._all(handle, {DEPLOY_FINISHED, RUN_STARTED}):
+            if isinstance(envelope.event, RunStarted):
+                claimed.setdefault(envelope.event.run_id, envelope.ts)
+            else:
+                published[envelope.seq] = (str(envelope.data["service"]), envelope.ts)
+        stages: dict[str, Stages] = {}
+        for run in await handle.runs(rule=NOTICE_RULE):
+            for seq in run.matched:
+                if seq in published:
+                    service, ts = published[seq]
+                    stages[service] = Stages(ts, run.created_at, claimed.get(run.id))
+        return stages
+
+    @staticmethod
+    async def _all(handle: RuleWorkspace, types: set[str]) -> list[Any]:
+        found: list[Any] = []
         while True:
-            envelopes = await handle.read(
-                after_seq=after, types={DEPLOY_FINISHED}, limit=READ_BATCH
-            )
-            for envelope in envelopes:
-                stamped[str(envelope.data["service"])] = envelope.ts
+            after = found[-1].seq if found else 0
+            envelopes = await handle.read(after_seq=after, types=types, limit=READ_BATCH)
+            found += envelopes
             if len(envelopes) < READ_BATCH:
-                return stamped
-            after = envelopes[-1].seq
+                return found
 
     async def watch(self, workspaces: Iterable[str]) -> "NoticeWatch":
         return NoticeWatch(

@@ -75,6 +75,14 @@ def ordered(latency: dict[str, float]) -> None:
     assert values == sorted(values)
 
 
+def stages(split: dict[str, dict[str, float]], latency: dict[str, float]) -> None:
+    """Each stage's percentiles in order, none longer than the whole way."""
+    assert list(split) == ["decide", "queue", "act"]
+    for stage in split.values():
+        ordered(stage)
+        assert stage["max"] <= latency["max"]
+
+
 def verdicts(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The verdict lines, which come last, each of the one shape, judging nothing."""
     found = [line for line in lines if line["bench"] == "verdict"]
@@ -102,6 +110,7 @@ def test_latency_prints_the_percentiles_of_every_event_noticed(
     assert figures["complete"] is True
     assert figures["duplicates"] == 0
     ordered(figures["latency_ms"])
+    stages(figures["stages_ms"], figures["latency_ms"])
     assert [line["target"] for line in verdicts(rest)] == [
         "sqlite: publish to notice p50, ms",
         "sqlite: publish to notice p99, ms",
@@ -131,6 +140,7 @@ def test_fairness_prints_each_phase_then_its_verdicts(
         if phase["quiet"]:
             assert phase["quiet_notices"] == 2
             ordered(phase["quiet_latency_ms"])
+            stages(phase["quiet_stages_ms"], phase["quiet_latency_ms"])
         if phase["flood"]:
             assert phase["flood_notices"] == phase["flood"]
             assert phase["flood_runs_per_s"] > 0
