@@ -39,6 +39,10 @@ still find their task."""
 LEGACY_TASK_NAME: Final = "relayr.execute_run"
 """The one-run task of earlier releases, still served so their queued messages run."""
 
+BACKLOG_PRIORITY: Final = 6
+"""The priority of a message of a backlog (``RunMessage.behind``); others have none. Both
+brokers deliver a message without one (0, the highest) before any with one (ADR-0114)."""
+
 ID_NAMES: Final = ("tenant_id", "workspace_id", "run_id")
 """The one-run task's arguments, in order."""
 
@@ -180,7 +184,10 @@ def send_runs(app: Any, queue: str, batch: RunMessage) -> None:
     runs to a worker). Celery retries a publish that meets a connection error, a bounded
     number of times (``task_publish_retry_policy``); what still fails is raised."""
     app.send_task(
-        TASK_NAME, args=(batch.tenant_id, batch.workspace_id, list(batch.run_ids)), queue=queue
+        TASK_NAME,
+        args=(batch.tenant_id, batch.workspace_id, list(batch.run_ids)),
+        queue=queue,
+        priority=BACKLOG_PRIORITY if batch.behind else None,
     )
     hooks.emit(RunsEnqueued(len(batch.run_ids)))
 

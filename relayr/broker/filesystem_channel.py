@@ -41,7 +41,8 @@ logger = structlog.get_logger("relayr.broker")
 CANDIDATES_PER_LISTING: Final = 512
 """How many of the oldest names one listing of a queue folder yields before the next listing:
 a listing costs O(backlog), so this many messages share it. Messages that come back to the
-queue meanwhile (older names) wait for the next listing."""
+queue meanwhile (older names) wait for the next listing. Messages of a lower priority (a
+dispatcher's backlog, a few per workspace) are each taken from a listing of their own."""
 
 FILE_FAULTS: Final = frozenset({errno.EACCES, errno.EPERM, errno.ELOOP})
 """Why a taken file may fail to open that is the file's own doing (its permissions, a symbolic
@@ -106,7 +107,7 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         """Write the message under ``incoming/``, then rename it into its queue's folder."""
-        name = layout.message_name()
+        name = layout.message_name(priority=self._get_message_priority(message))
         staged = self.root / layout.INCOMING / name
         target_folder = layout.queue_path(self.root, queue)
         try:
@@ -147,7 +148,9 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
     # ─── consuming ───────────────────────────────────────────────────────────
 
     def _get(self, queue: str) -> dict[str, Any]:
-        """Take the oldest message of ``queue`` that no other consumer takes first."""
+        """Take the oldest message of ``queue``'s highest priority that no other consumer takes
+        first. A message of a lower priority is taken only from a listing made now (messages of
+        the highest are taken from the last one): one that came meanwhile goes before it."""
         holder = self._holder_here()
         queue_folder = layout.queue_folder_name(queue)
         source_folder = self.root / layout.QUEUES / queue_folder
@@ -167,6 +170,9 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
                         CANDIDATES_PER_LISTING, (n for n in names if layout.is_message(n))
                     )
                 )
+                continue
+            if not listed and candidates[0].startswith(layout.LOWER_PRIORITY_PREFIX):
+                candidates.clear()  # a message of a higher priority may have come since
                 continue
             name = candidates.popleft()
             held_folder = holder.held_folder(queue_folder)

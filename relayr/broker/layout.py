@@ -2,7 +2,8 @@
 
 Everything lives in one folder (``RELAYR_HOME/broker``), so every rename is atomic (ADR-0013):
 
-- ``queues/<queue>/``: waiting messages, named by enqueue time first, so a sorted listing is FIFO;
+- ``queues/<queue>/``: waiting messages, named by priority and enqueue time, so a sorted
+  listing is FIFO within a priority, and the highest priority comes first;
 - ``incoming/``: where a publisher writes a message before renaming it into its queue;
 - ``consumers/<id>.lock`` and ``consumers/<id>/<queue>/``: a live consumer's ``flock`` and the
   messages it took and has not acknowledged;
@@ -31,6 +32,9 @@ FOLDERS: Final = (QUEUES, INCOMING, CONSUMERS, DEAD, EXCHANGES)
 MESSAGE_SUFFIX: Final = ".msg"
 REDELIVERED_SUFFIX: Final = ".redelivered.msg"
 LOCK_SUFFIX: Final = ".lock"
+LOWER_PRIORITY_PREFIX: Final = "p"
+"""Starts the name of a message of a priority below the highest: it sorts after every name
+that starts with a digit (the enqueue time of the highest's)."""
 STAGING_PREFIX: Final = "."
 """A consumer's lock file is created under a name starting with this, locked, then renamed to
 its public name: a lock file anyone can see is already locked by its living owner."""
@@ -60,10 +64,15 @@ def queue_folder_name(queue: str) -> str:
     return name
 
 
-def message_name(now_ns: int | None = None) -> str:
-    """A new message file's name: enqueue time first, so a sorted listing is FIFO."""
+def message_name(now_ns: int | None = None, *, priority: int = 0) -> str:
+    """A new message file's name: enqueue time first, so a sorted listing is FIFO; a message of
+    a lower ``priority`` (1 to 9, as Redis's: 0 is the highest) is named after every message of
+    a higher one, :data:`LOWER_PRIORITY_PREFIX` and its digit first."""
     enqueued_ns = time.time_ns() if now_ns is None else now_ns
-    return f"{enqueued_ns:020d}-{os.getpid():x}-{next(_sequence):x}-{os.urandom(3).hex()}.msg"
+    name = f"{enqueued_ns:020d}-{os.getpid():x}-{next(_sequence):x}-{os.urandom(3).hex()}.msg"
+    if priority <= 0:
+        return name
+    return f"{LOWER_PRIORITY_PREFIX}{min(priority, 9)}-{name}"
 
 
 def is_message(name: str) -> bool:

@@ -5,7 +5,8 @@ workspace's next message only while fewer than ``per_workspace`` of its messages
 broker, to tenants by virtual time (a message costs ``1 / weight``; a tenant idle until now
 joins at the least-served active tenant's time) and within a tenant to its workspaces in turn.
 It withholds nothing else, so a lone busy workspace gets a message each time one is taken. A
-run marked ``alone`` leaves in a message of its own.
+run marked ``alone`` leaves in a message of its own. A message of a backlog is marked
+``behind``: the broker delivers messages of workspaces with nothing else waiting first.
 """
 
 import math
@@ -26,6 +27,10 @@ class Message[T]:
 
     workspace: Workspace
     items: tuple[T, ...]
+    behind: bool = False
+    """Whether it is part of a backlog (its workspace has another message in the broker, or
+    more items wait here): it goes behind messages of workspaces that have nothing else
+    waiting, which the broker delivers first."""
 
 
 @dataclass
@@ -131,7 +136,7 @@ class FairQueue[T]:
                 workspace = (tenant, name)
                 if counted[workspace] < self._per_workspace:
                     break
-            sent.append(self._take(workspace, sizes[workspace]))
+            sent.append(self._take(workspace, sizes[workspace], behind=counted[workspace] > 0))
             counted[workspace] += 1
             self._tenant_time[tenant] += 1.0 / self._weights.get(tenant, DEFAULT_WEIGHT)
 
@@ -145,7 +150,7 @@ class FairQueue[T]:
                 chosen = tenant
         return chosen
 
-    def _take(self, workspace: Workspace, size: int) -> Message[T]:
+    def _take(self, workspace: Workspace, size: int, *, behind: bool) -> Message[T]:
         lane = self._lanes[workspace]
         taken: list[T] = []
         for key, (item, alone) in list(lane.items.items()):
@@ -156,9 +161,10 @@ class FairQueue[T]:
             del self._where[key]
             if alone or len(taken) >= size:
                 break
-        if not lane.items:
-            self._retire(workspace)
-        return Message(workspace, tuple(taken))
+        if lane.items:
+            return Message(workspace, tuple(taken), behind=True)
+        self._retire(workspace)
+        return Message(workspace, tuple(taken), behind=behind)
 
     def _retire(self, workspace: Workspace) -> None:
         tenant, name = workspace

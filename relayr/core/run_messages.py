@@ -49,3 +49,6 @@ class RunMessage(BaseModel):
     tenant_id: Id
     workspace_id: Id
     run_ids: Annotated[tuple[Id, ...], Field(min_length=1, max_length=MAX_BATCH_RUNS)]
+    behind: bool = False
+    """Part of a workspace's backlog: the broker delivers it after the messages of workspaces
+    that have nothing else waiting (the message's priority; not one of the task's arguments)."""

@@ -18,7 +18,7 @@ attempt.
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Final
@@ -82,7 +82,10 @@ LIMITS_REPORT_S: Final = 15.0
 EVALUATION_BATCH: Final = 100
 """How many workspaces one pass evaluates (and follows) at most: a burst of changes across
 many workspaces is decided in passes of this many, each handing out what it fired before the
-next begins."""
+next begins. A pass evaluates one transaction of envelopes of each
+(:data:`relayr.dispatch.evaluation.BATCH_ENVELOPES`), those that changed since the last pass
+first: a workspace's backlog is evaluated a transaction a pass, and never holds another
+workspace's new event for longer than one such transaction of each backlog."""
 
 logger = structlog.get_logger("relayr.dispatch")
 
@@ -124,6 +127,8 @@ class _Message:
     seq: int
     workspace: Workspace
     runs: set[_RunKey]
+    behind: bool = False
+    """Sent behind the messages of workspaces with nothing else waiting (a backlog's)."""
     taken_at: float | None = None
     passed_at: float | None = None
     """When the queue was first seen to have gone past it without a worker taking it."""
@@ -146,7 +151,25 @@ class _Ledger:
     messages: dict[int, _Message] = field(default_factory=dict)
     next_seq: int = 1
     latest_taken: int = 0
-    """The newest message a worker is known to have taken: the queue is past every older one."""
+    """The newest message a worker is known to have taken: the broker delivered every older
+    message not sent ``behind``, since it delivers those first."""
+    latest_taken_behind: int = 0
+    """The newest message sent ``behind`` a worker is known to have taken: the broker
+    delivered every older one (each kind comes in the order it was sent)."""
+
+    def taken(self, message: _Message, now: float) -> None:
+        """A worker took ``message`` (``now``, unless known before)."""
+        if message.taken_at is None:
+            message.taken_at = now
+        self.latest_taken = max(self.latest_taken, message.seq)
+        if message.behind:
+            self.latest_taken_behind = max(self.latest_taken_behind, message.seq)
+
+    def passed(self, message: _Message) -> bool:
+        """Whether the broker delivered a message sent after ``message`` that it would have
+        delivered later."""
+        latest = self.latest_taken_behind if message.behind else self.latest_taken
+        return message.seq < latest
 
     def in_broker(self) -> dict[Workspace, int]:
         """How many messages of each workspace wait in the broker, as far as this dispatcher
@@ -235,13 +258,17 @@ class Dispatcher:
         self._evaluated_to: dict[WorkspaceRef, int] = {}
         self._followed_to: dict[Workspace, int] = {}
         self._to_evaluate: dict[Workspace, None] = {}
+        self._backlogged: dict[Workspace, None] = {}
+        """Workspaces evaluated one transaction short of their head: each pass evaluates the
+        workspaces that changed first, then one more transaction of each of these in turn."""
         self._to_follow: dict[Workspace, None] = {}
         self._limits_read_at: float | None = None
 
     @property
     def behind(self) -> bool:
-        """Whether changed workspaces wait for the next pass (a burst past EVALUATION_BATCH)."""
-        return bool(self._to_evaluate or self._to_follow)
+        """Whether changed workspaces wait for the next pass (a burst past EVALUATION_BATCH, or
+        a backlog past a transaction's envelopes)."""
+        return bool(self._to_evaluate or self._backlogged or self._to_follow)
 
     async def pass_once(self, enqueue: Enqueue, changes: Changes | None = None) -> DispatchPass:
         """Follow and evaluate what changed, tick, and hand out due runs fairly.
@@ -254,11 +281,20 @@ class Dispatcher:
             Exception: What the storage raised while ticking, evaluating or reading due runs;
                 the next pass starts over. A failing ``enqueue`` is counted, not raised.
         """
+        started = time.perf_counter()
         sweep = changes is None or changes.everything
         if changes is not None:
             self._to_evaluate.update(dict.fromkeys(sorted(changes.rules)))
             self._to_follow.update(dict.fromkeys(sorted(changes.artifacts)))
+        policy = RunPolicy.of(self._rules.rules.values())
+        # the workspaces without a backlog go first: before following, and before those with
+        # events left to evaluate or due runs held back (ADR-0114)
+        busy = {w for w in self._to_evaluate if w in self._backlogged or self._fair.waiting(w)}
+        first = _first(self._to_evaluate, EVALUATION_BATCH, self._owns, unless=busy)
+        fired = await self._evaluate(first)
+        early = await self._hand_out_fired(enqueue, fired, policy)
         bridged, moved = await self._follow(sweep)
+        followed = time.perf_counter()
         self._to_evaluate.update(dict.fromkeys(moved))
         now = self._monotonic()
         ticks = 0
@@ -269,17 +305,20 @@ class Dispatcher:
             self._ticked_at = now
         if sweep:
             await self._sweep_rules()
-        chosen = _first(self._to_evaluate, EVALUATION_BATCH, self._owns)
-        fired = await evaluate_each(
-            self._rules,
-            [WorkspaceRef(tenant_id, workspace_id) for tenant_id, workspace_id in chosen],
-            evaluated_to=self._evaluated_to,
+        done_first = set(first)  # what following moved there waits for the next pass
+        chosen = _first(
+            self._to_evaluate, EVALUATION_BATCH - len(first), self._owns, unless=done_first
         )
+        for workspace in chosen:
+            self._backlogged.pop(workspace, None)
+        limit = EVALUATION_BATCH - len(first) - len(chosen)
+        chosen += _first(self._backlogged, limit, self._owns, unless=done_first)
+        fired += await self._evaluate(chosen)
+        decided = time.perf_counter()
         if sweep:  # a sweep learns of every message taken, as a change would
             await self._check_taken({m.workspace for m in self._sent.messages.values()}, now)
         elif changes is not None:
             await self._check_taken(changes.rules, now)
-        policy = RunPolicy.of(self._rules.rules.values())
         now = self._monotonic()
         full_list = False
         if (
@@ -328,7 +367,9 @@ class Dispatcher:
             for held in self._fair:
                 if held not in listed:
                     self._fair.remove(held)
-        enqueued, messages, failed = await self._hand_out(enqueue, lost)
+        enqueued, messages, failed = (
+            a + b for a, b in zip(early, await self._hand_out(enqueue, lost), strict=True)
+        )
         done = DispatchPass(
             ticks=ticks,
             firings=len(fired),
@@ -342,8 +383,43 @@ class Dispatcher:
             withheld=len(self._fair),
         )
         if ticks or fired or enqueued or failed or bridged:
-            logger.info("dispatch pass", **vars(done))
+            ended = time.perf_counter()
+            logger.info(
+                "dispatch pass",
+                **vars(done),
+                follow_ms=round((followed - started) * 1000.0, 1),
+                evaluate_ms=round((decided - followed) * 1000.0, 1),
+                pass_ms=round((ended - started) * 1000.0, 1),
+            )
         return done
+
+    async def _hand_out_fired(
+        self, enqueue: Enqueue, fired: Sequence[tuple[WorkspaceRef, Run]], policy: RunPolicy
+    ) -> tuple[int, int, int]:
+        """Hand out now the runs ``fired`` made for rules that order none (due at once), before
+        the pass goes on to follow and to evaluate the workspaces that keep changing; what
+        :meth:`_hand_out` returns."""
+        for ref, run in fired:
+            key = _key(ref, run)
+            if run.rule not in policy.ordered and key not in self._sent.runs:
+                self._fair.add(key[:2], key, _Due(key, run), alone=_alone(run))
+        return await self._hand_out(enqueue, [])
+
+    async def _evaluate(self, chosen: list[Workspace]) -> list[tuple[WorkspaceRef, Run]]:
+        """Evaluate one transaction of each workspace of ``chosen``; those left short of their
+        head wait in :attr:`_backlogged` for the next pass. The runs their firings made."""
+        for workspace in chosen:
+            self._backlogged.pop(workspace, None)
+        evaluated = await evaluate_each(
+            self._rules,
+            [WorkspaceRef(tenant_id, workspace_id) for tenant_id, workspace_id in chosen],
+            evaluated_to=self._evaluated_to,
+            whole=False,
+        )
+        self._backlogged.update(
+            dict.fromkeys((ref.tenant_id, ref.workspace_id) for ref in evaluated.behind)
+        )
+        return evaluated.runs
 
     async def serve(self, enqueue: Enqueue, stop: asyncio.Event) -> None:
         """Pass whenever the store says a workspace's log moved, until ``stop`` is set.
@@ -504,8 +580,7 @@ class Dispatcher:
             queued = sent.runs.get(key)
             if run is None or queued is None or _attempt(run) == queued.attempt:
                 continue
-            message.taken_at = now
-            sent.latest_taken = max(sent.latest_taken, message.seq)
+            sent.taken(message, now)
             message.runs.discard(key)
             del sent.runs[key]
         sent.messages = {seq: m for seq, m in sent.messages.items() if m.runs}
@@ -538,6 +613,7 @@ class Dispatcher:
                 tenant_id=tenant_id,
                 workspace_id=workspace_id,
                 run_ids=tuple(run.id for _, run in runs),
+                behind=message.behind,
             )
             try:
                 with telemetry.enqueuing(batch.tenant_id, batch.workspace_id, batch.run_ids):
@@ -546,7 +622,7 @@ class Dispatcher:
                 logger.exception("enqueueing runs failed", run_ids=list(batch.run_ids))
                 failed += len(runs)
                 continue
-            self._sent_now(message.workspace, runs)
+            self._sent_now(message.workspace, runs, behind=message.behind)
             enqueued += len(runs)
             messages += 1
         return enqueued, messages, failed
@@ -568,9 +644,7 @@ class Dispatcher:
                 continue
             if run is None and window is not None and queued.order >= window:
                 continue  # past the list's end: the list says nothing about it
-            if queued.message.taken_at is None:
-                queued.message.taken_at = now
-            sent.latest_taken = max(sent.latest_taken, queued.message.seq)
+            sent.taken(queued.message, now)
             queued.message.runs.discard(key)
             del sent.runs[key]
         outstanding = sorted(
@@ -580,9 +654,7 @@ class Dispatcher:
             depth = await self._queue_depth()
             head = outstanding[0]
             for message in outstanding:
-                passed = message.seq < sent.latest_taken or (
-                    message is head and (depth is None or depth == 0)
-                )
+                passed = sent.passed(message) or (message is head and (depth is None or depth == 0))
                 if passed and message.passed_at is None:
                     message.passed_at = now
                 elif not passed:
@@ -593,9 +665,11 @@ class Dispatcher:
         since = message.taken_at if message.taken_at is not None else message.passed_at
         return since is not None and now - since >= self._requeue_after_s
 
-    def _sent_now(self, workspace: Workspace, runs: Sequence[tuple[_RunKey, Run]]) -> None:
+    def _sent_now(
+        self, workspace: Workspace, runs: Sequence[tuple[_RunKey, Run]], *, behind: bool
+    ) -> None:
         sent = self._sent
-        message = _Message(sent.next_seq, workspace, {key for key, _ in runs})
+        message = _Message(sent.next_seq, workspace, {key for key, _ in runs}, behind)
         sent.next_seq += 1
         sent.messages[message.seq] = message
         for key, run in runs:
@@ -617,13 +691,22 @@ def _shards_of(runtime: Runtime) -> Shards:
     )
 
 
-def _first(pending: dict[Workspace, None], limit: int, owns: Owns | None) -> list[Workspace]:
-    """Take up to ``limit`` workspaces from the front of ``pending`` (those this dispatcher
-    decides; the others are dropped: their owner's feed tells it too)."""
+def _first(
+    pending: dict[Workspace, None],
+    limit: int,
+    owns: Owns | None,
+    *,
+    unless: Container[Workspace] = (),
+) -> list[Workspace]:
+    """Take up to ``limit`` workspaces from the front of ``pending``, but those of ``unless``
+    (and those this dispatcher does not decide, which are dropped: their owner's feed tells
+    it too)."""
     chosen: list[Workspace] = []
     for workspace in list(pending):
         if len(chosen) >= limit:
             break
+        if workspace in unless:
+            continue
         del pending[workspace]
         if owns is None or owns(*workspace):
             chosen.append(workspace)

@@ -9,12 +9,13 @@ import json
 import os
 from pathlib import Path
 
-from kombu import Connection, Queue
+from kombu import Connection, Producer, Queue
 from structlog.testing import capture_logs
 
 from relayr.broker import layout, queue_depth
 from relayr.broker.dead_letters import SET_ASIDE
 from relayr.settings import Settings
+from tasks.runs import BACKLOG_PRIORITY
 from tests.broker_files import QUEUE, connect, held, publish, set_aside, take, waiting
 
 
@@ -32,6 +33,26 @@ def test_messages_are_taken_in_enqueue_order_across_listings(conn: Connection) -
     publish(conn, *range(1200))  # more than one listing's candidates
     assert [take(conn).payload for _ in range(1200)] == list(range(1200))
     assert take(conn) is None
+
+
+def test_a_message_of_the_highest_priority_is_taken_before_lower_ones_sent_earlier(
+    conn: Connection, folder: Path
+) -> None:
+    """Even one that comes after a listing of the lower ones: they are taken from a listing
+    made when each is taken (a dispatcher's backlog goes behind, ADR-0114)."""
+    producer = Producer(conn.default_channel, serializer="json")
+    for body in ("behind-1", "behind-2", "behind-3"):
+        producer.publish(body, exchange="", routing_key=QUEUE, priority=BACKLOG_PRIORITY)
+    publish(conn, "ahead-1")
+    assert take(conn).payload == "ahead-1"
+    assert take(conn).payload == "behind-1"
+    publish(conn, "ahead-2")
+
+    taken = [take(conn).payload for _ in range(3)]
+
+    assert taken == ["ahead-2", "behind-2", "behind-3"]
+    assert take(conn) is None
+    assert waiting(folder) == []
 
 
 def test_ack_deletes_the_taken_message(conn: Connection, folder: Path) -> None:

@@ -46,6 +46,26 @@ def test_a_new_run_of_another_workspace_goes_next_whatever_the_flood() -> None:
     assert shape(handed) == [("b0",)]
 
 
+def test_a_backlogs_messages_go_behind_and_a_workspace_with_nothing_else_waiting_ahead() -> None:
+    """The broker delivers a message not ``behind`` first: a workspace with nothing else
+    waiting (here or in the broker) is not queued behind another's backlog."""
+    fair = queue(per_workspace=2)
+    fill(fair, A, 3, "a")
+    fair.add(B, "b0", "b0")
+
+    handed = fair.hand_out({})
+    assert [(m.items, m.behind) for m in handed] == [
+        (("a0",), True),
+        (("b0",), False),
+        (("a1",), True),
+    ]
+    fill(fair, B, 2, "c")  # B has a message in the broker: its next ones are a backlog
+    assert [(m.items, m.behind) for m in fair.hand_out({A: 0, B: 1})] == [
+        (("a2",), False),  # A's last, and nothing of A's waits in the broker
+        (("c0",), True),
+    ]
+
+
 def test_workspaces_take_turns() -> None:
     fair = queue(per_workspace=3)
     fill(fair, A, 10, "a")

@@ -12,8 +12,10 @@ due when the test says, not when a second has passed. Used by
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Final
 
 import pytest
 from artifactr import Workspaces as ArtifactWorkspaces
@@ -23,7 +25,8 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 
 from relayr.core.allowlist import Allowlists
 from relayr.core.run_messages import RunMessage
-from relayr.dispatch.dispatcher import Dispatcher, DispatchPass
+from relayr.dispatch.changes import Changes
+from relayr.dispatch.dispatcher import Dispatcher, DispatchPass, Enqueue
 from relayr.execution.executor import execute_runs
 from relayr.runtime.application import Application, open_storage
 from relayr.runtime.bridge import Bridge
@@ -141,6 +144,13 @@ class Harness:
         done = await self.dispatcher.pass_once(self.enqueue)
         return done, [run_id for batch in self.queue for run_id in batch.run_ids]
 
+    async def dispatch_caught_up(self) -> tuple[DispatchPass, list[str]]:
+        """Passes until every workspace is evaluated to its head (:func:`caught_up`); what they
+        did together, and the ids they enqueued."""
+        self.queue.clear()
+        done = await caught_up(self.dispatcher, self.enqueue)
+        return done, [run_id for batch in self.queue for run_id in batch.run_ids]
+
     async def take(self, run_ids: list[str]) -> None:
         """What a worker does with a message it takes: execute its runs."""
         await execute_runs(self.runtime, TENANT, WORKSPACE, run_ids)
@@ -148,6 +158,26 @@ class Harness:
     async def runs(self) -> dict[str, str]:
         source = await self.rules.open(TENANT, WORKSPACE, actor=SourceActor(name="test"))
         return {r.id: r.status for r in await source.runs(limit=1000)}
+
+
+async def caught_up(dispatcher: Dispatcher, enqueue: Enqueue) -> DispatchPass:
+    """Passes until every workspace is evaluated to its head: a backlog takes a pass for each
+    transaction of envelopes (``BATCH_ENVELOPES``). What they did together: the counts summed,
+    what waits (``waiting``, ``withheld``) as the last pass left it."""
+    done = await dispatcher.pass_once(enqueue)
+    total = done
+    while dispatcher.behind:
+        done = await dispatcher.pass_once(enqueue, Changes())
+        total = replace(
+            total,
+            **{name: getattr(total, name) + getattr(done, name) for name in SUMMED},
+            waiting=done.waiting,
+            withheld=done.withheld,
+        )
+    return total
+
+
+SUMMED: Final = ("ticks", "firings", "due", "enqueued", "messages", "again", "failed", "bridged")
 
 
 @pytest.fixture(params=STORAGES)

@@ -15,6 +15,7 @@ from reflexr import SourceActor
 
 from relayr.core.run_messages import RunMessage
 from relayr.dispatch.changes import Changes
+from relayr.dispatch.evaluation import BATCH_ENVELOPES
 from relayr.execution.executor import execute_runs
 from relayr.settings import Settings
 from tests.dispatch.dispatch_harness import (
@@ -23,6 +24,7 @@ from tests.dispatch.dispatch_harness import (
     RULES,
     Harness,
     Ping,
+    caught_up,
     opened,
 )
 
@@ -76,7 +78,7 @@ async def test_a_flood_does_not_hold_another_workspaces_run_behind_it(harness: H
     sent = Sent()
     dispatcher = harness.dispatcher
     await publish(harness, FLOOD, 200)
-    flooded = await dispatcher.pass_once(sent.enqueue)
+    flooded = await caught_up(dispatcher, sent.enqueue)
     await publish(harness, QUIET, 1)
     await publish(harness, OTHER_TENANT, 1)
     quiet = await dispatcher.pass_once(sent.enqueue, Changes(rules={QUIET, OTHER_TENANT}))
@@ -87,6 +89,56 @@ async def test_a_flood_does_not_hold_another_workspaces_run_behind_it(harness: H
     assert (quiet.firings, quiet.messages) == (2, 2)
     assert sent.position(QUIET) <= FAIR_MESSAGES
     assert sent.position(OTHER_TENANT) <= FAIR_MESSAGES + 1
+    # and the broker delivers them before the flood's, which go behind
+    assert all(message.behind for message in sent.of(FLOOD))
+    assert not any(message.behind for message in sent.of(QUIET) + sent.of(OTHER_TENANT))
+
+
+async def test_a_backlog_is_evaluated_a_transaction_a_pass_after_what_changed_since(
+    harness: Harness,
+) -> None:
+    """A workspace's new event waits for at most one transaction of another's backlog
+    (BATCH_ENVELOPES envelopes), not for the whole backlog to be evaluated; the backlog is
+    evaluated to its end, every event once."""
+    sent = Sent()
+    dispatcher = harness.dispatcher
+    flood = 3 * BATCH_ENVELOPES + 1
+    await publish(harness, FLOOD, flood)
+    first = await dispatcher.pass_once(sent.enqueue, Changes(rules={FLOOD}))
+    await publish(harness, QUIET, 1)
+    second = await dispatcher.pass_once(sent.enqueue, Changes(rules={QUIET}))
+    assert (first.firings, second.firings) == (BATCH_ENVELOPES, 1 + BATCH_ENVELOPES)
+    assert len(sent.of(QUIET)) == 1
+    assert dispatcher.behind
+    while dispatcher.behind:
+        await dispatcher.pass_once(sent.enqueue, Changes())
+
+    source = await harness.rules.open(*FLOOD, actor=SourceActor(name="test"))
+    assert len(await source.runs(limit=1000)) == flood
+
+
+async def test_a_message_that_went_ahead_does_not_make_a_backlog_look_lost(
+    harness: Harness,
+) -> None:
+    """The broker delivers messages not ``behind`` first, so a worker taking the quiet
+    workspace's message, sent after the flood's, says nothing of the flood's: they are not
+    sent again while the broker holds them, however long the workers take."""
+    sent = Sent()
+    dispatcher = harness.dispatcher
+    await publish(harness, FLOOD, 3 * FAIR_BATCH)
+    await dispatcher.pass_once(sent.enqueue)
+    await publish(harness, QUIET, 1)
+    await dispatcher.pass_once(sent.enqueue, Changes(rules={QUIET}))
+    (quiet,) = sent.of(QUIET)
+    await execute_runs(harness.runtime, *QUIET, list(quiet.run_ids))
+    harness.depth = FAIR_MESSAGES  # the flood's messages wait in the broker
+    await dispatcher.pass_once(sent.enqueue, Changes(rules={QUIET}))
+    for _ in range(3):
+        harness.clock.now += REQUEUE_AFTER_S
+        done = await dispatcher.pass_once(sent.enqueue)
+        assert done.again == 0
+
+    assert len(sent.of(FLOOD)) == FAIR_MESSAGES
 
 
 async def test_the_flood_gets_a_message_each_time_a_worker_takes_one(harness: Harness) -> None:

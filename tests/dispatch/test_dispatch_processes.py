@@ -8,11 +8,14 @@ SIGKILLed again and again, and one whose change notifications were cut.
 2. SQLite with the embedded broker, and PostgreSQL: a dispatcher whose triggers were dropped
    after it started listening hears nothing; its sweep (every 2 s here) still finds the events
    and every run succeeds.
+3. Both brokers: a flood's messages wait in the broker, then a quiet workspace's one; the
+   worker started after them runs the quiet workspace's run first (ADR-0114).
 """
 
 import asyncio
 import sqlite3
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from artifactr import UserActor
 from artifactr.core import MessagePosted
 from reflexr import SourceActor
 
+from relayr import broker
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from rules.example import DeployFinished
@@ -245,3 +249,69 @@ def test_a_dispatcher_that_hears_nothing_still_finds_the_events(
         )
 
     assert outcome["notices"] == outcome["distinct_notices"] == 16
+
+
+@pytest.fixture(
+    params=["embedded", pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.postgres])]
+)
+def both_brokers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
+    settings: dict[str, object] = {"fair_messages": 2, "fair_batch": 5}
+    if request.param == "redis":
+        settings.update(broker_url=REDIS_URL, database_url=request.getfixturevalue("postgres_url"))
+    environment = relayr_environment(tmp_path / "home", **settings)
+    with (
+        forgetting_redis_queue(environment["RELAYR_QUEUE"])
+        if request.param == "redis"
+        else (nullcontext())
+    ):
+        yield environment
+
+
+async def _publish_deploys(environment: dict[str, str], workspace: str, count: int) -> None:
+    runtime = await Runtime.start(Settings.from_env(environment), role="cli")
+    async with runtime:
+        handle = await runtime.application.artifacts.open(
+            TENANT, workspace, actor=UserActor(id="alice")
+        )
+        thread = (await handle.create_thread("deploys")).id
+        source = await runtime.application.rules.open(
+            TENANT, workspace, actor=SourceActor(name="test")
+        )
+        await source.publish_many(
+            [
+                DeployFinished(service=f"{workspace}-{index}", status="ok", thread_id=thread)
+                for index in range(count)
+            ]
+        )
+
+
+def test_a_quiet_workspaces_run_goes_before_a_floods_messages_already_waiting(
+    tmp_path: Path, both_brokers: dict[str, str]
+) -> None:
+    environment = both_brokers
+    settings = Settings.from_env(environment)
+
+    def queued(count: int) -> Callable[[], bool | None]:
+        return lambda: True if broker.queue_depth(settings) == count else None
+
+    with running_dispatcher(environment, tmp_path, "--no-follow") as dispatcher:
+        until(
+            "listening", lambda: LISTENING in dispatcher.log() or None, dispatcher, timeout_s=WAIT_S
+        )
+        asyncio.run(_publish_deploys(environment, "flood", 40))
+        until("the flood's two messages", queued(2), dispatcher, timeout_s=WAIT_S)
+        asyncio.run(_publish_deploys(environment, "quiet", 1))
+        until("the quiet workspace's message", queued(3), dispatcher, timeout_s=WAIT_S)
+        with running_worker(environment, tmp_path, concurrency=1) as worker:
+
+            def started() -> list[str] | None:
+                found = [
+                    str(line["workspace"])
+                    for line in log_records(worker.log())
+                    if line.get("event") == "attempt started"
+                ]
+                return found if "quiet" in found else None
+
+            order = until("the quiet run started", started, worker, dispatcher, timeout_s=WAIT_S)
+
+    assert order[0] == "quiet", order

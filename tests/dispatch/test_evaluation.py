@@ -145,9 +145,10 @@ async def test_relayr_evaluates_as_reflexr_does(url: str, reference: RuleWorkspa
 
 
 async def test_one_workspace_costs_one_transaction(tmp_path: Path) -> None:
+    """One transaction evaluates every rule over up to BATCH_ENVELOPES envelopes."""
     url = f"sqlite+aiosqlite:///{tmp_path}/relayr.db"
     rules = await _workspaces(url)
-    await _publish(rules, 0, len(READINGS))
+    await _publish(rules, 0, evaluation.BATCH_ENVELOPES)
     begun: list[object] = []
     counted = await _workspaces(url)
     [engine] = _ENGINES[-1:]

@@ -23,7 +23,7 @@ from typing import Final
 import redis
 
 from tests.faults.constants import POLL_S, REDIS_START_S
-from tests.services import free_port
+from tests.services import KOMBU, free_port
 
 START_ATTEMPTS: Final = 5
 """How many free ports a first start tries: one is taken between the look and the bind only
@@ -145,10 +145,12 @@ class PrivateRedis:
         self.restarts += 1
 
     def queued(self, queue: str) -> int:
-        """How many messages wait in ``queue`` (kombu keeps a queue as a Redis list)."""
+        """How many messages wait in ``queue`` (kombu keeps a queue as a Redis list, and one
+        more per priority below the highest)."""
         client = self.client()
         try:
-            return int(client.llen(queue))
+            lists = [queue, *(f"{queue}{KOMBU.sep}{step}" for step in KOMBU.priority_steps[1:])]
+            return sum(int(client.llen(name)) for name in lists)
         finally:
             client.close()
 
