@@ -1,11 +1,11 @@
 """The dispatcher: decide which runs exist, and hand each due run to a queue, once per attempt.
 
-Woken by the store (:mod:`relayr.dispatch.changes`, ADR-0091), a pass follows the artifactr
-logs that moved into reflexr (ADR-0065) and evaluates the reflexr workspaces that moved
-(:mod:`relayr.dispatch.evaluation`), at most :data:`EVALUATION_BATCH` a pass; a slow sweep
-catches a lost notification, and schedules and the due list are read on time. Due runs wait in
-a fair queue and go out between tenants and workspaces in turn, at most ``fair_messages``
-messages of a workspace in the broker (ADR-0093), up to
+Woken by the store (:mod:`relayr.dispatch.changes`, ADR-0091), a pass evaluates the reflexr
+workspaces that moved (:mod:`relayr.dispatch.evaluation`), those without a backlog first, and
+follows the artifactr logs that moved into reflexr (ADR-0065); a slow sweep catches a lost
+notification, and schedules and the due list are read on time. Due runs wait in a fair queue
+and go out between tenants and workspaces in turn, at most ``fair_messages`` messages of a
+workspace in the broker, a backlog's behind the others (ADR-0093, ADR-0114), up to
 :data:`relayr.core.run_messages.MAX_BATCH_RUNS` per message (a run whose last attempt was
 abandoned goes alone). In :meth:`Dispatcher.serve` a dispatcher decides only the workspaces of
 the shards it holds (:mod:`relayr.dispatch.shards`, ADR-0092), so any number can run. The store
@@ -83,9 +83,10 @@ EVALUATION_BATCH: Final = 100
 """How many workspaces one pass evaluates (and follows) at most: a burst of changes across
 many workspaces is decided in passes of this many, each handing out what it fired before the
 next begins. A pass evaluates one transaction of envelopes of each
-(:data:`relayr.dispatch.evaluation.BATCH_ENVELOPES`), those that changed since the last pass
-first: a workspace's backlog is evaluated a transaction a pass, and never holds another
-workspace's new event for longer than one such transaction of each backlog."""
+(:data:`relayr.dispatch.evaluation.BATCH_ENVELOPES`): first those without a backlog (no
+envelopes left from the last pass, no due runs held back), whose runs go out at once, then,
+after following, the others; a backlog never holds another workspace's new event for longer
+than the pass under way."""
 
 logger = structlog.get_logger("relayr.dispatch")
 
@@ -259,8 +260,8 @@ class Dispatcher:
         self._followed_to: dict[Workspace, int] = {}
         self._to_evaluate: dict[Workspace, None] = {}
         self._backlogged: dict[Workspace, None] = {}
-        """Workspaces evaluated one transaction short of their head: each pass evaluates the
-        workspaces that changed first, then one more transaction of each of these in turn."""
+        """Workspaces evaluated one transaction short of their head: each pass evaluates one
+        more transaction of each, in turn, after the workspaces without a backlog."""
         self._to_follow: dict[Workspace, None] = {}
         self._limits_read_at: float | None = None
 
@@ -293,6 +294,7 @@ class Dispatcher:
         first = _first(self._to_evaluate, EVALUATION_BATCH, self._owns, unless=busy)
         fired = await self._evaluate(first)
         early = await self._hand_out_fired(enqueue, fired, policy)
+        following = time.perf_counter()
         bridged, moved = await self._follow(sweep)
         followed = time.perf_counter()
         self._to_evaluate.update(dict.fromkeys(moved))
@@ -387,8 +389,8 @@ class Dispatcher:
             logger.info(
                 "dispatch pass",
                 **vars(done),
-                follow_ms=round((followed - started) * 1000.0, 1),
-                evaluate_ms=round((decided - followed) * 1000.0, 1),
+                follow_ms=round((followed - following) * 1000.0, 1),
+                evaluate_ms=round((following - started + decided - followed) * 1000.0, 1),
                 pass_ms=round((ended - started) * 1000.0, 1),
             )
         return done
