@@ -14,7 +14,7 @@ SIGKILLed again and again, and one whose change notifications were cut.
 
 import asyncio
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
@@ -72,29 +72,31 @@ def _succeeded(url: str) -> int:
     return int(_sql(url, "SELECT count(*) FROM reflexr_runs WHERE status = 'succeeded'"))
 
 
-async def _publish(environment: dict[str, str], count: int, *, prefix: str) -> None:
-    """``count`` deploys spread over the workspaces, each into a thread of its workspace."""
+async def _publish(environment: dict[str, str], counts: Mapping[str, int], *, prefix: str) -> None:
+    """``counts[w]`` deploys into a thread of each workspace ``w``, each a service of its own."""
     runtime = await Runtime.start(Settings.from_env(environment), role="cli")
     async with runtime:
-        threads = {}
-        for workspace in WORKSPACES:
+        for workspace, count in counts.items():
             handle = await runtime.application.artifacts.open(
                 TENANT, workspace, actor=UserActor(id="alice")
             )
-            threads[workspace] = (await handle.create_thread("deploys")).id
-        per: dict[str, list[DeployFinished]] = {w: [] for w in WORKSPACES}
-        for index in range(count):
-            workspace = WORKSPACES[index % len(WORKSPACES)]
-            per[workspace].append(
-                DeployFinished(
-                    service=f"{prefix}{index}", status="ok", thread_id=threads[workspace]
-                )
-            )
-        for workspace, events in per.items():
+            thread = (await handle.create_thread("deploys")).id
             source = await runtime.application.rules.open(
                 TENANT, workspace, actor=SourceActor(name="test")
             )
-            await source.publish_many(events)
+            await source.publish_many(
+                [
+                    DeployFinished(
+                        service=f"{prefix}{workspace}-{index}", status="ok", thread_id=thread
+                    )
+                    for index in range(count)
+                ]
+            )
+
+
+def _spread(events: int) -> dict[str, int]:
+    """``events`` spread evenly over the workspaces."""
+    return {workspace: events // len(WORKSPACES) for workspace in WORKSPACES}
 
 
 async def _outcome(environment: dict[str, str]) -> dict[str, Any]:
@@ -153,7 +155,7 @@ def test_two_dispatchers_one_killed_three_times_every_run_once(
             timeout_s=WAIT_S,
         )
         killed: RelayrProcess | None = None
-        asyncio.run(_publish(environment, EVENTS, prefix="deploy-"))
+        asyncio.run(_publish(environment, _spread(EVENTS), prefix="deploy-"))
         for kill in range(KILLS):
             victim = stack.enter_context(
                 running_dispatcher(environment, tmp_path, "--no-follow", name=f"victim{kill}")
@@ -237,7 +239,7 @@ def test_a_dispatcher_that_hears_nothing_still_finds_the_events(
             timeout_s=WAIT_S,
         )
         _drop_triggers(environment)
-        asyncio.run(_publish(environment, 16, prefix="unheard-"))
+        asyncio.run(_publish(environment, _spread(16), prefix="unheard-"))
 
         def settled() -> dict[str, Any] | None:
             found = asyncio.run(_outcome(environment))
@@ -267,24 +269,6 @@ def both_brokers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dic
         yield environment
 
 
-async def _publish_deploys(environment: dict[str, str], workspace: str, count: int) -> None:
-    runtime = await Runtime.start(Settings.from_env(environment), role="cli")
-    async with runtime:
-        handle = await runtime.application.artifacts.open(
-            TENANT, workspace, actor=UserActor(id="alice")
-        )
-        thread = (await handle.create_thread("deploys")).id
-        source = await runtime.application.rules.open(
-            TENANT, workspace, actor=SourceActor(name="test")
-        )
-        await source.publish_many(
-            [
-                DeployFinished(service=f"{workspace}-{index}", status="ok", thread_id=thread)
-                for index in range(count)
-            ]
-        )
-
-
 def test_a_quiet_workspaces_run_goes_before_a_floods_messages_already_waiting(
     tmp_path: Path, both_brokers: dict[str, str]
 ) -> None:
@@ -298,9 +282,9 @@ def test_a_quiet_workspaces_run_goes_before_a_floods_messages_already_waiting(
         until(
             "listening", lambda: LISTENING in dispatcher.log() or None, dispatcher, timeout_s=WAIT_S
         )
-        asyncio.run(_publish_deploys(environment, "flood", 40))
+        asyncio.run(_publish(environment, {"flood": 40}, prefix="deploy-"))
         until("the flood's two messages", queued(2), dispatcher, timeout_s=WAIT_S)
-        asyncio.run(_publish_deploys(environment, "quiet", 1))
+        asyncio.run(_publish(environment, {"quiet": 1}, prefix="deploy-"))
         until("the quiet workspace's message", queued(3), dispatcher, timeout_s=WAIT_S)
         with running_worker(environment, tmp_path, concurrency=1) as worker:
 
