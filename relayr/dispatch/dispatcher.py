@@ -400,7 +400,9 @@ class Dispatcher:
     ) -> tuple[int, int, int]:
         """Hand out now the runs ``fired`` made for rules that order none (due at once), before
         the pass goes on to follow and to evaluate the workspaces that keep changing; what
-        :meth:`_hand_out` returns."""
+        :meth:`_hand_out` returns (nothing when nothing fired: the pass hands out at its end)."""
+        if not fired:
+            return 0, 0, 0
         for ref, run in fired:
             key = _key(ref, run)
             if run.rule not in policy.ordered and key not in self._sent.runs:
@@ -409,9 +411,8 @@ class Dispatcher:
 
     async def _evaluate(self, chosen: list[Workspace]) -> list[tuple[WorkspaceRef, Run]]:
         """Evaluate one transaction of each workspace of ``chosen``; those left short of their
-        head wait in :attr:`_backlogged` for the next pass. The runs their firings made."""
-        for workspace in chosen:
-            self._backlogged.pop(workspace, None)
+        head wait in :attr:`_backlogged` for the next pass (the caller took ``chosen`` out of
+        it). The runs their firings made."""
         evaluated = await evaluate_each(
             self._rules,
             [WorkspaceRef(tenant_id, workspace_id) for tenant_id, workspace_id in chosen],
