@@ -8,8 +8,11 @@
   ``CI=true``, as a test that needs Redis does (:func:`tests.services.require`).
 - :func:`relayr` runs a ``relayr`` command with ``--json`` and parses what it printed; a test
   checks the console against the command line with it.
+- :func:`signed_session` makes a session cookie as the console signs it, for a test that needs
+  a login older than the browser could make (an expired one).
 """
 
+import base64
 import http.cookiejar
 import json
 import os
@@ -26,9 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import itsdangerous
 import pytest
 
 from relayr.cli.processes import RelayrProcess, relayr_command
+from relayr.console.operators import SHARED_TOKEN_NAME
+from relayr.console.security import session_secret
 from tests.workers import REPO
 
 if TYPE_CHECKING:
@@ -136,6 +142,15 @@ def dispatching(environment: Mapping[str, str], log_dir: Path) -> Iterator[Relay
         yield process
     finally:
         process.stop()
+
+
+def signed_session(token: str, session: Mapping[str, object]) -> str:
+    """The value of the console's session cookie holding ``session``, signed now with the key of
+    a console whose token is ``token``, as the console signs it (Starlette's SessionMiddleware):
+    what a browser holds after a response that renewed the cookie, however long ago the login
+    was made."""
+    signer = itsdangerous.TimestampSigner(session_secret({SHARED_TOKEN_NAME: token}))
+    return signer.sign(base64.b64encode(json.dumps(dict(session)).encode())).decode()
 
 
 class Client:

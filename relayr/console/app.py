@@ -45,6 +45,7 @@ from . import actions, reads
 from .forms import (
     MAX_FIELD_BYTES,
     MAX_FORM_FIELDS,
+    came_from,
     next_path,
     reason_of,
     run_named,
@@ -204,7 +205,7 @@ def create_app(console: Console) -> Starlette:
         **context: Any,
     ) -> Response:
         url = request.url
-        here = f"{url.path}?{url.query}" if url.query and request.method == "GET" else url.path
+        here = back_here(request)
         paused = request.query_params.get("live") == "0"
         problems = [] if name in ("login.html",) else await banner.problems()
         page = pages.get_template(name).render(
@@ -220,6 +221,14 @@ def create_app(console: Console) -> Starlette:
             **context,
         )
         return HTMLResponse(page, status_code=status_code)
+
+    def back_here(request: Request) -> str:
+        """Where a page's login link leads back to: the page itself for a GET; for a POST's
+        answer (a refusal), the page the form was on (:func:`came_from`), never the action."""
+        url = request.url
+        if request.method != "GET":
+            return came_from(request.headers.get("referer"), request.headers.get("host"), readable)
+        return f"{url.path}?{url.query}" if url.query else url.path
 
     async def checked_form(request: Request) -> FormData:
         """The POST's form, once it is known to come from this console's own page."""
@@ -552,7 +561,7 @@ def create_app(console: Console) -> Starlette:
                     pages.get_template("error.html").render(
                         access=access(request),
                         path=request.url.path,
-                        here=request.url.path,
+                        here=back_here(request),
                         problems=[],
                         live=False,
                         can_be_live=False,
@@ -594,6 +603,7 @@ def create_app(console: Console) -> Starlette:
         ("/dead-letters/replay", replay_letters, "POST"),
         ("/done", result, "GET"),
     ]
+    readable = frozenset(path for path, _, method in pages_and_actions if method == "GET")
     routes: list[BaseRoute] = [
         Route(path, guarded(endpoint), methods=[method])
         for path, endpoint, method in pages_and_actions

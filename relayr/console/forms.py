@@ -88,3 +88,20 @@ def next_path(value: str | None) -> str:
     if parts.scheme or parts.netloc or parts.path == "/login":
         return "/runs"
     return value
+
+
+def came_from(referer: str | None, host: str | None, pages: frozenset[str]) -> str:
+    """Where a page answering a POST (a refusal, an error) sends the operator back to after a
+    login: the console's own page the form was posted from (its ``Referer``), when it is one of
+    ``pages`` (the paths a GET reads), else the overview. Never the action's own path: a login
+    that went on to ``/run/skip`` would land on an action, which a GET cannot do.
+    """
+    if not referer or not host:
+        return "/"
+    parts = urlsplit(referer)
+    if parts.scheme not in ("http", "https") or parts.netloc.lower() != host.lower():
+        return "/"
+    if parts.path not in pages or parts.path == "/login":
+        return "/"
+    back = f"{parts.path}?{parts.query}" if parts.query else parts.path
+    return back if next_path(back) == back else "/"

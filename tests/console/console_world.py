@@ -10,6 +10,7 @@ process then serves it (:func:`tests.consoles.running_console`).
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,9 @@ class World:
 
 
 def in_runtime[T](environment: dict[str, str], work: Any) -> T:
-    """``await work(runtime)`` on a runtime of the environment's settings, then closed."""
+    """``await work(runtime)`` on a runtime of the environment's settings, then closed; in a
+    thread of its own, so a test may call it while Playwright's sync API holds this thread's
+    event loop."""
 
     async def main() -> T:
         runtime = await Runtime.start(Settings.from_env(environment), role="cli")
@@ -68,7 +71,8 @@ def in_runtime[T](environment: dict[str, str], work: Any) -> T:
             result: T = await work(runtime)
             return result
 
-    return asyncio.run(main())
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(asyncio.run, main()).result()
 
 
 async def thread_in(runtime: Runtime, where: str, title: str) -> str:

@@ -8,27 +8,25 @@ fresh its cookie. The consoles are :mod:`tests.console.console_http`'s; the brow
 workers are in ``tests/console/test_console_browser.py``.
 """
 
-import base64
 import html
-import json
 import re
 import time
 from urllib.parse import urlencode
 
-import itsdangerous
-
-from relayr.console.operators import SHARED_TOKEN_NAME
-from relayr.console.security import (
-    LOGGED_IN_AT,
-    SESSION_COOKIE,
-    SESSION_MAX_AGE_S,
-    session_secret,
-)
+from relayr.console.security import LOGGED_IN_AT, SESSION_COOKIE, SESSION_MAX_AGE_S
 from tests.console.console_http import TOKEN
-from tests.consoles import Client, Console
+from tests.consoles import Client, Console, signed_session
 
 PAGES = ("/runs", "/runs?status=dead", "/allowlist", "/health", "/login")
-ACTIONS = ("/run/retry", "/run/cancel", "/run/skip", "/retry-dead", "/logout", "/login")
+ACTIONS = (
+    "/run/retry",
+    "/run/cancel",
+    "/run/skip",
+    "/retry-dead",
+    "/dead-letters/replay",
+    "/logout",
+    "/login",
+)
 
 
 def csrf_of(page: str) -> str:
@@ -143,15 +141,6 @@ def test_a_login_never_leads_to_another_site(token_console: Console) -> None:
     assert (status, headers["location"]) == (303, "/runs?status=dead&page=2")
 
 
-def session_cookie(**session: object) -> dict[str, str]:
-    """A ``Cookie`` header with a session signed now with the console's key, as the console
-    signs it (Starlette's SessionMiddleware): what a browser holds after a response that renewed
-    the cookie, however long ago the login was made."""
-    signer = itsdangerous.TimestampSigner(session_secret({SHARED_TOKEN_NAME: TOKEN}))
-    signed = signer.sign(base64.b64encode(json.dumps(session).encode())).decode()
-    return {"Cookie": f"{SESSION_COOKIE}={signed}"}
-
-
 def test_a_login_ends_when_its_time_is_up_however_fresh_its_cookie(
     token_console: Console,
 ) -> None:
@@ -166,7 +155,7 @@ def test_a_login_ends_when_its_time_is_up_however_fresh_its_cookie(
         },
         "unrecorded": {"ops": True, "csrf": "a-csrf-token"},
     }.items():
-        cookie = session_cookie(**session)
+        cookie = {"Cookie": f"{SESSION_COOKIE}={signed_session(TOKEN, session)}"}
         status, page, headers = Client().get(token_console.at("/runs"), cookie)
         assert status == 200, name
         posted, answer, _ = Client().post(token_console.at("/run/skip"), form, cookie)
