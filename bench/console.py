@@ -12,6 +12,9 @@ and the console reads runs, not how they got there. So the log holds none of the
 facts (``reflexr:rule_fired``, ``reflexr:run_*``), by which a running console's index sees runs
 change (ADR-0109): the console is started after the fill, and reads them all as it starts.
 
+``--idle-workspaces`` K adds K workspaces of a tenant of their own, each with one event in its
+log and no run: what a page's refresh costs for workspaces with nothing new.
+
 It then starts ``relayr console --port 0`` (a process of its own, on the case's settings, as
 an operator does), and times each page of :func:`pages` over HTTP from this process: one
 request first (a warm-up, timed apart as ``first_ms``), then ``--requests`` more, one at a
@@ -190,6 +193,20 @@ async def fill(stores: Stores, runs: int) -> dict[str, int]:
     }
 
 
+IDLE_TENANT: Final = "idle"
+
+
+async def idle(stores: Stores, count: int) -> None:
+    """Append one event to each of ``count`` workspaces of :data:`IDLE_TENANT`."""
+    storage = stores.rules.storage
+    for number in range(count):
+        event = DeployFinished(service="svc-idle", status="succeeded", thread_id="thr_bench")
+        async with storage.transaction(WorkspaceRef(IDLE_TENANT, f"idle-{number:05}")) as begun:
+            await begun.append([Entry(id=new_event_id(), actor=READER, event=event)])
+        if (number + 1) % 1000 == 0:
+            note(f"{number + 1} of {count} idle workspaces written")
+
+
 async def samples(stores: Stores) -> dict[str, str]:
     """Ids the pages name: a dead run of the first workspace, and the seq of its event."""
     storage = stores.rules.storage
@@ -296,9 +313,12 @@ def start_console(deployed: Deployment) -> tuple[RelayrProcess, str]:
     return process, found[1]
 
 
-async def filled(deployed: Deployment, runs: int) -> tuple[dict[str, int], dict[str, str]]:
+async def filled(
+    deployed: Deployment, runs: int, idle_workspaces: int
+) -> tuple[dict[str, int], dict[str, str]]:
     async with Stores.opened(deployed.settings) as stores:
         counts = await fill(stores, runs)
+        await idle(stores, idle_workspaces)
         return counts, await samples(stores)
 
 
@@ -306,7 +326,7 @@ def measure(deployed: Deployment, args: argparse.Namespace) -> dict[str, Any]:
     kind = deployed.storage.kind
     note(f"{kind}: writing {args.runs} runs")
     started = time.monotonic()
-    counts, found = asyncio.run(filled(deployed, args.runs))
+    counts, found = asyncio.run(filled(deployed, args.runs, args.idle_workspaces))
     filled_s = time.monotonic() - started
     console, base = start_console(deployed)
     browser = Browser(base)
@@ -320,6 +340,7 @@ def measure(deployed: Deployment, args: argparse.Namespace) -> dict[str, Any]:
         **deployed.described,
         "runs": args.runs,
         "workspaces": counts,
+        "idle_workspaces": args.idle_workspaces,
         "filled_s": round(filled_s, 1),
         "requests": args.requests,
         "pages": timed,
@@ -350,10 +371,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]
     )
+    parser.add_argument(
+        "--idle-workspaces", type=int, default=0, help="workspaces with one event and no run"
+    )
     parser.add_argument("--keep", action="store_true", help="keep each case's home")
     args = parser.parse_args(argv)
-    if args.runs < len(WORKSPACES) * 10 or args.requests < 1:
-        parser.error(f"--runs must be at least {len(WORKSPACES) * 10}, --requests at least 1")
+    if args.runs < len(WORKSPACES) * 10 or args.requests < 1 or args.idle_workspaces < 0:
+        parser.error(
+            f"--runs must be at least {len(WORKSPACES) * 10}, --requests at least 1, "
+            "--idle-workspaces at least 0"
+        )
     quiet_logging()
     emit({"bench": "machine", **machine()})
     lines: list[dict[str, Any]] = []

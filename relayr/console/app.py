@@ -36,7 +36,6 @@ from starlette.staticfiles import StaticFiles
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.audit import audit_trail
 from relayr.ops.index import RunIndex
-from relayr.ops.rows import runs_with_id
 from relayr.ops.runs import EnqueueRun, OperatorResult, not_enqueued, operator
 from relayr.runtime.process import Runtime
 from relayr.settings import redact
@@ -151,7 +150,10 @@ def create_app(console: Console) -> Starlette:
     acting = bool(tokens)
     outcomes = actions.Outcomes()
     banner = HealthBanner(runtime)
-    index = RunIndex(runtime.application.rules, runtime.bridge.limits)
+    engines = runtime.application.engines
+    index = RunIndex(
+        runtime.application.rules, runtime.bridge.limits, engine=engines[0] if engines else None
+    )
 
     def logged_in(request: Request) -> bool:
         """Whether the request's session holds a login that has not expired; an expired one is
@@ -277,7 +279,7 @@ def create_app(console: Console) -> Starlette:
     async def runs(request: Request) -> Response:
         query = RunQuery.parse(request.query_params)
         page = await reads.runs_page(runtime, query, index)
-        workspaces = await runtime.application.rules.storage.workspaces()
+        workspaces = index.workspaces()  # brought up to date by the page's read
         return await render(
             request,
             "runs.html",
@@ -291,13 +293,16 @@ def create_app(console: Console) -> Starlette:
 
     async def run(request: Request) -> Response:
         run_id, workspace = run_named(request.query_params)
-        if workspace is None:
-            held = await runs_with_id(runtime.application.rules, run_id)
+        if workspace is None:  # the index says which workspaces hold it
+            held = (await index.refreshed()).with_id(run_id)
             if len(held) > 1:
                 found = await search(runtime, run_id, index)
                 return await render(
                     request, "search.html", title=f"Run {run_id}", found=found, ambiguous=True
                 )
+            if not held:
+                raise HTTPException(404, f"no run {run_id}")
+            workspace = held[0].workspace
         found_run = await reads.run_page(runtime, run_id, workspace)
         if found_run is None:
             where = f" in {workspace}" if workspace else ""
@@ -357,7 +362,8 @@ def create_app(console: Console) -> Starlette:
         )
 
     async def audit(request: Request) -> Response:
-        entries = await audit_trail(runtime.application.rules, limit=AUDIT_SHOWN)
+        held = (await index.refreshed()).workspaces()
+        entries = await audit_trail(runtime.application.rules, limit=AUDIT_SHOWN, workspaces=held)
         return await render(request, "audit.html", title="Audit", entries=entries, live=True)
 
     async def login_form(request: Request) -> Response:

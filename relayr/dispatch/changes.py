@@ -175,8 +175,7 @@ class PostgresFeed(ChangeFeed):
                 await self._connection.close()
 
     async def heads(self) -> Heads:
-        async with self._engine.connect() as connection:
-            return await _heads(connection)
+        return await read_heads(self._engine)
 
     async def _listen(self) -> None:
         import asyncpg  # type: ignore[import-untyped]
@@ -249,8 +248,7 @@ class SqliteFeed(ChangeFeed):
             self._connection.close()
 
     async def heads(self) -> Heads:
-        async with self._engine.connect() as connection:
-            return await _heads(connection)
+        return await read_heads(self._engine)
 
     async def _poll(self) -> None:
         connection = self._connection
@@ -340,11 +338,14 @@ async def _tables(connection: Any) -> dict[Source, str]:
     return {source: table for source, table in SOURCES.items() if table in found}
 
 
-async def _heads(connection: Any) -> Heads:
+async def read_heads(engine: AsyncEngine) -> Heads:
+    """Every workspace's head on ``engine``'s database, in one read per library (workspaces
+    whose log is empty left out)."""
     found: dict[Source, dict[Workspace, int]] = {}
-    for source, table in (await _tables(connection)).items():
-        rows = await connection.execute(
-            text(f"SELECT tenant_id, workspace_id, head_seq FROM {table} WHERE head_seq > 0")
-        )
-        found[source] = {(row[0], row[1]): int(row[2]) for row in rows}
+    async with engine.connect() as connection:
+        for source, table in (await _tables(connection)).items():
+            rows = await connection.execute(
+                text(f"SELECT tenant_id, workspace_id, head_seq FROM {table} WHERE head_seq > 0")
+            )
+            found[source] = {(row[0], row[1]): int(row[2]) for row in rows}
     return Heads(rules=found.get("reflexr", {}), artifacts=found.get("artifactr"))

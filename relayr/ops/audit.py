@@ -9,10 +9,11 @@ operator it names (:func:`relayr.ops.runs.operator`).
 
 import heapq
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from reflexr.workspace import Workspaces
+from reflexr.workspace import WorkspaceRef, Workspaces
 
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.report import OPERATOR_FACTS, OperatorAction, operator_actions
@@ -35,10 +36,13 @@ class AuditEntry:
     action: OperatorAction
 
 
-async def audit_trail(rules: Workspaces, *, limit: int) -> list[AuditEntry]:
-    """The last ``limit`` operator actions across every workspace, newest first."""
+async def audit_trail(
+    rules: Workspaces, *, limit: int, workspaces: Iterable[WorkspaceRef] | None = None
+) -> list[AuditEntry]:
+    """The last ``limit`` operator actions across ``workspaces`` (None: every workspace),
+    newest first. An operator acts on runs, so the workspaces that hold runs are enough."""
     lists = []
-    for ref in await rules.storage.workspaces():
+    for ref in await rules.storage.workspaces() if workspaces is None else workspaces:
         key = WorkspaceKey(ref.tenant_id, ref.workspace_id)
         facts = await rules.storage.read(ref, types=FACT_TYPES, last=limit)
         entries = []

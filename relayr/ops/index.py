@@ -2,7 +2,8 @@
 
 Guarantee: after :meth:`RunIndex.refreshed`, the index holds every run as it was committed
 before the refresh began, or later; it reads every run once, then only the runs the facts
-appended since name (and those a limit holds waiting, whose due time moves with no fact).
+appended since name (and those a limit holds waiting, whose due time moves with no fact). On a
+database, a refresh learns which workspaces moved from one read of every workspace's head.
 Its counts and its runs in both orders of the runs list are kept as runs change, so a page
 costs what it shows, not what the store holds. Runs are read through reflexr's storage API
 only (ADR-0001); why and at what cost: ADR-0109.
@@ -32,7 +33,9 @@ from reflexr.core import (
     RunSucceeded,
 )
 from reflexr.workspace import WorkspaceRef, Workspaces
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from relayr.dispatch.changes import read_heads
 from relayr.ledger.limits import LimitStore
 from relayr.ledger.port import WorkspaceKey
 from relayr.ops.rows import ORDER_KEYS, OrderKey, RunFilter, RunRow
@@ -124,9 +127,18 @@ class RunIndex:
         pending: The pending runs, by workspace and id.
     """
 
-    def __init__(self, rules: Workspaces, limits: LimitStore | None = None) -> None:
+    def __init__(
+        self,
+        rules: Workspaces,
+        limits: LimitStore | None = None,
+        *,
+        engine: AsyncEngine | None = None,
+    ) -> None:
+        """``engine``: the database of ``rules``' storage, whose workspace heads a refresh
+        reads in one statement; None (in memory) asks each workspace for its head."""
         self.rules = rules
         self.limits = limits
+        self.engine = engine
         self.tally: Tally = Counter()
         self.hours: Counter[tuple[datetime, str]] = Counter()
         self.pending: dict[tuple[WorkspaceKey, str], RunRow] = {}
@@ -140,11 +152,8 @@ class RunIndex:
     async def refreshed(self) -> "RunIndex":
         """The index, once every run committed before this call is in it."""
         async with self._lock:
-            storage = self.rules.storage
-            for ref in await storage.workspaces():
-                key = WorkspaceKey(ref.tenant_id, ref.workspace_id)
-                head = await storage.head_seq(ref)
-                known = self._workspaces.get(key)
+            for ref, head in await self._heads():
+                known = self._workspaces.get(_key(ref))
                 if known is None:
                     await self._load(ref, head)
                 elif head > known.head:
@@ -153,6 +162,28 @@ class RunIndex:
             for order in self._orders.values():
                 order.sort(self.rows())
         return self
+
+    async def _heads(self) -> list[tuple[WorkspaceRef, int]]:
+        """Every workspace with its log's head."""
+        if self.engine is not None:
+            heads = (await read_heads(self.engine)).rules
+            return [(WorkspaceRef(*workspace), head) for workspace, head in heads.items()]
+        storage = self.rules.storage
+        return [(ref, await storage.head_seq(ref)) for ref in await storage.workspaces()]
+
+    def workspaces(self) -> list[WorkspaceRef]:
+        """The workspaces that hold runs, by name."""
+        held = (workspace.ref for workspace in self._workspaces.values() if workspace.rows)
+        return sorted(held, key=attrgetter("tenant_id", "workspace_id"))
+
+    def with_id(self, run_id: str) -> list[RunRow]:
+        """Every workspace's run of this id (run ids are unique within a workspace only), by
+        workspace."""
+        found = (workspace.rows.get(run_id) for workspace in self._workspaces.values())
+        return sorted(
+            (row for row in found if row is not None),
+            key=attrgetter("tenant_id", "workspace_id"),
+        )
 
     def rows(self) -> Iterator[RunRow]:
         for workspace in self._workspaces.values():

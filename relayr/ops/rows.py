@@ -201,17 +201,6 @@ def order_key(row: "RunRow", order: RunOrder) -> OrderKey:
     return ORDER_KEYS[order](row)
 
 
-async def runs_with_id(rules: Workspaces, run_id: str) -> list[RunRow]:
-    """Every workspace's run of this id (reflexr's run ids are unique within a workspace only),
-    by workspace."""
-    rows = []
-    for ref in await _refs(rules, None):
-        run = await rules.storage.run(ref, run_id)
-        if run is not None:
-            rows.append(RunRow.of(ref, run))
-    return rows
-
-
 class AmbiguousRun(ValueError):
     """A run id that several workspaces hold, named without its workspace.
 

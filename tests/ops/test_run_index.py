@@ -3,14 +3,20 @@
 
 After each change (runs created, executed to dead, succeeded, cancelled, retried, a due time
 moved by a limit without a fact), the index refreshed lists what :func:`list_runs` reads from
-the store, filter by filter and in both orders, and its counts are the store's.
+the store, filter by filter and in both orders, and its counts are the store's. Given the
+database, a refresh reads every workspace's head in one statement.
 """
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from reflexr.workspace import WorkspaceRef
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from relayr.ledger import WorkspaceKey
 from relayr.ledger.limits import Check, RunKey
@@ -59,8 +65,30 @@ async def same_as_the_store(index: RunIndex, ops: Ops) -> None:
     assert len(index) == len(every)
 
 
-async def test_the_index_follows_every_change_of_a_run(ops: Ops) -> None:
-    index = RunIndex(ops.rules, ops.runtime.bridge.limits)
+def engine_of(ops: Ops) -> AsyncEngine:
+    [engine] = ops.runtime.application.engines
+    return engine
+
+
+@contextmanager
+def statements(engine: AsyncEngine) -> Iterator[list[str]]:
+    """The SQL statements ``engine`` runs within the block."""
+    seen: list[str] = []
+
+    def note(_connection: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        seen.append(statement)
+
+    event.listen(engine.sync_engine, "before_cursor_execute", note)
+    try:
+        yield seen
+    finally:
+        event.remove(engine.sync_engine, "before_cursor_execute", note)
+
+
+@pytest.mark.parametrize("reads_heads", [True, False], ids=["heads-at-once", "each-head"])
+async def test_the_index_follows_every_change_of_a_run(ops: Ops, reads_heads: bool) -> None:
+    engine = engine_of(ops) if reads_heads else None
+    index = RunIndex(ops.rules, ops.runtime.bridge.limits, engine=engine)
     await same_as_the_store(index, ops)  # nothing yet
     thread = await ops.thread()
     first = [await ops.fire(Flaked(thread_id=thread), where) for where in (WORKSPACE, "billing")]
@@ -121,3 +149,23 @@ async def test_a_due_time_a_limit_moved_is_read_again(ops: Ops) -> None:
     await same_as_the_store(index, ops)
     [row] = [row for row in index.rows() if row.id == run_id]
     assert row.next_attempt_at == until
+
+
+async def test_a_refresh_reads_every_workspace_head_in_one_statement(ops: Ops) -> None:
+    """However many workspaces there are, a refresh with nothing new reads reflexr's workspace
+    table once; a run made meanwhile in one of them is in the next refresh."""
+    engine = engine_of(ops)
+    index = RunIndex(ops.rules, engine=engine)
+    thread = await ops.thread()
+    workspaces = [f"w{number}" for number in range(12)]
+    for where in workspaces:
+        await ops.fire(Flaked(thread_id=thread), where)
+    await same_as_the_store(index, ops)
+    with statements(engine) as idle:
+        await index.refreshed()
+    assert sum("reflexr_workspaces" in statement for statement in idle) == 1, idle
+    assert not [statement for statement in idle if "reflexr_runs" in statement], idle
+    later = await ops.fire(Flaked(thread_id=thread), workspaces[5])
+    await index.refreshed()
+    assert [row.workspace_id for row in index.with_id(later)] == [workspaces[5]]
+    await same_as_the_store(index, ops)

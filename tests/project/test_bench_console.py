@@ -24,7 +24,7 @@ def test_bench_console_times_every_page() -> None:
     done = subprocess.run(
         [
             *(sys.executable, "-m", "bench.console", "--runs", str(RUNS)),
-            *("--requests", "2", "--storage", "sqlite"),
+            *("--requests", "2", "--storage", "sqlite", "--idle-workspaces", "3"),
         ],
         cwd=REPO,
         capture_output=True,
@@ -38,6 +38,7 @@ def test_bench_console_times_every_page() -> None:
     [figures] = [line for line in lines if line["bench"] == "console"]
     assert figures["storage"] == "sqlite"
     assert sum(figures["workspaces"].values()) == RUNS
+    assert figures["idle_workspaces"] == 3
     pages = figures["pages"]
     assert {page["page"] for page in pages} >= {"/", "/runs?sort=changed", "/health"}
     for page in pages:
