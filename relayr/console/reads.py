@@ -326,7 +326,7 @@ async def run_page(runtime: Runtime, run_id: str, workspace: WorkspaceKey | None
         report=report,
         fired_by=fired_by,
         matched=len(matched),
-        traces=() if run is None else tuple(run.trace_ids),
+        traces=() if run is None else tuple(dict.fromkeys(run.trace_ids)),  # each id once
         trace_url=runtime.settings.trace_url,
     )
 

@@ -35,7 +35,7 @@ from reflexr.core import (
 from reflexr.workspace import REACTOR, Entry, RunFailure, Transaction, WorkspaceRef, Workspaces
 
 from relayr.core import reasons
-from relayr.observe import hooks
+from relayr.observe import hooks, telemetry
 from relayr.observe.hooks import RunClaimed
 
 type _Mark = tuple[str, int, int, datetime]
@@ -457,11 +457,11 @@ async def _claim_one(
         scope = order.runs if fresh else await _scope_before(transaction, order, run)
         if run.id not in {r.id for r in runnable(scope, rule, now=now)}:
             return Executed("not_due", run, f"run {run.id} waits: it is not first in its scope")
-    started, begun = start(run, now=now)
-    changes.record(started, begun)
     events: list[Envelope] = []
-    for seq in started.matched:
+    for seq in run.matched:
         events.extend(await transaction.read(after_seq=seq - 1, limit=1))
+    started, begun = start(run, now=now, trace_id=telemetry.run_trace_id(run, events))
+    changes.record(started, begun)
     return Claimed(started, rule, tuple(events), order)
 
 

@@ -294,6 +294,18 @@ def enqueuing(
     return joined_span("relayr.enqueue", contexts, attributes, kind=SpanKind.PRODUCER)
 
 
+def run_trace_id(run: TracedRun, events: Sequence[_Envelope]) -> str | None:
+    """The id of the trace :func:`run_span` starts the run's span in, as hex, for reflexr to
+    record on the attempt (``Run.trace_ids``); None while tracing is off, or when the span will
+    begin a trace of its own (no traced event, no current span)."""
+    if _state.tracer is None:
+        return None
+    continued = _fired_by(run, events)
+    if continued is None or not continued.is_valid:
+        continued = trace.get_current_span().get_span_context()
+    return trace.format_trace_id(continued.trace_id) if continued.is_valid else None
+
+
 def run_span(
     tenant_id: str, workspace_id: str, run: TracedRun, rule: str, events: Sequence[_Envelope]
 ) -> Span | None:
@@ -302,7 +314,6 @@ def run_span(
     that event's span (the envelope's ``traceparent``) linked to the message's (ADR-0080)."""
     if _state.tracer is None:
         return None
-    fired = next((e for e in events if e.seq == run.fired_seq), events[-1] if events else None)
     attributes = {
         **_workspace(tenant_id, workspace_id),
         RULE: rule,
@@ -310,8 +321,13 @@ def run_span(
         ATTEMPT: run.attempts,
         EPOCH: run.epoch,
     }
-    continued = None if fired is None else parse_traceparent(fired.traceparent)
-    return start_span(f"relayr.run {rule}", continued, attributes)
+    return start_span(f"relayr.run {rule}", _fired_by(run, events), attributes)
+
+
+def _fired_by(run: TracedRun, events: Sequence[_Envelope]) -> SpanContext | None:
+    """The span of the event that fired ``run`` (its envelope's ``traceparent``), if any."""
+    fired = next((e for e in events if e.seq == run.fired_seq), events[-1] if events else None)
+    return None if fired is None else parse_traceparent(fired.traceparent)
 
 
 class _Finished(Protocol):
