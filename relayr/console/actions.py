@@ -242,6 +242,76 @@ async def confirm_retry(
     ]
 
 
+SELECTED: Final = {
+    "retry": ("dead", "retrying", "cancelled", "skipped"),
+    "cancel": ("pending", "retrying", "running"),
+    "skip": ("pending", "retrying", "dead"),
+}
+"""What an operator may do to the runs selected on the runs list, and the statuses each action
+takes (those the run's own page offers it for)."""
+
+SELECTED_MAX: Final = 100
+"""The most runs one action on selected runs takes: two pages of the runs list."""
+
+DONE: Final = {"retry": "retried", "cancel": "cancelled", "skip": "skipped"}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What an action would do to each selected run, as they are now: ``ok`` those it takes."""
+
+    action: str
+    verdicts: list[OperatorResult]
+
+    @property
+    def taken(self) -> list[OperatorResult]:
+        return [verdict for verdict in self.verdicts if verdict.ok]
+
+
+async def preview_selected(runtime: Runtime, action: str, refs: Sequence[RunRef]) -> Selection:
+    """What ``action`` would do to each run of ``refs`` now; nothing changes."""
+    found, missing = await _find(runtime, [(ref.workspace, ref.run_id) for ref in refs])
+    verdicts = [_fits(action, row) or _would_do(action, row) for row in found]
+    return Selection(action, [*missing, *verdicts])
+
+
+async def act_on_selected(
+    runtime: Runtime,
+    enqueue: EnqueueRun,
+    action: str,
+    refs: Sequence[RunRef],
+    *,
+    reason: str,
+    actor: UserActor,
+) -> list[OperatorResult]:
+    """Do ``action`` to each run of ``refs`` whose status it takes now, as ``relayr runs
+    retry|cancel|skip RUN...`` does; each other run gets a refusal that names its status.
+    ``reason`` is a cancel's or a skip's (a retry takes none)."""
+    rules = runtime.application.rules
+    found, missing = await _find(runtime, [(ref.workspace, ref.run_id) for ref in refs])
+    refused = [refusal for row in found if (refusal := _fits(action, row)) is not None]
+    fit = [row for row in found if _fits(action, row) is None]
+    if action == "retry":
+        done = await retry(rules, fit, enqueue, actor=actor)
+    elif action == "cancel":
+        done = await cancel(rules, fit, reason=reason, actor=actor)
+    else:
+        done = await skip(rules, fit, reason=reason, actor=actor)
+    return [*missing, *refused, *done]
+
+
+def _would_do(action: str, row: RunRow) -> OperatorResult:
+    return OperatorResult(row.id, str(row.workspace), True, f"would {action}", row.status)
+
+
+def _fits(action: str, row: RunRow) -> OperatorResult | None:
+    """None when ``action`` takes ``row`` as it is, else the refusal that says why not."""
+    if row.status in SELECTED[action]:
+        return None
+    detail = f"{row.status}: {action} takes {', '.join(SELECTED[action])} runs; not {DONE[action]}"
+    return OperatorResult(row.id, str(row.workspace), False, detail, row.status)
+
+
 async def current_states(runtime: Runtime, results: Sequence[OperatorResult]) -> dict[str, RunRow]:
     """Each run of an action's results as it is now, by ``workspace/id``."""
     named = [

@@ -49,6 +49,7 @@ from .forms import (
     reason_of,
     run_named,
     run_ref,
+    selected,
     text,
 )
 from .operators import SHARED_TOKEN_NAME, holder
@@ -470,6 +471,23 @@ def create_app(console: Console) -> Starlette:
         results = await actions.confirm_retry(runtime, console.enqueue, refs, actor=actor)
         return done(request, "Retry dead runs", actor, results, back=href("/runs", query.params()))
 
+    async def preview_selected(request: Request) -> Response:
+        action, refs = selected(request.query_params)
+        selection = await actions.preview_selected(runtime, action, refs)
+        title = f"{action.capitalize()} {len(refs)} selected run(s)?"
+        back = list_of(came_from(request.headers.get("referer"), request.url.netloc, readable))
+        return await render(request, "selected.html", title=title, selection=selection, back=back)
+
+    async def act_on_selected(request: Request) -> Response:
+        form, actor = await acting_form(request)
+        action, refs = selected(form)
+        reason = "" if action == "retry" else reason_of(form, default=None)
+        results = await actions.act_on_selected(
+            runtime, console.enqueue, action, refs, reason=reason, actor=actor
+        )
+        title = f"{action.capitalize()} selected runs"
+        return done(request, title, actor, results, back=list_of(next_path(text(form, "back"))))
+
     async def replay_letters(request: Request) -> Response:
         form, actor = await acting_form(request)
         workspace = parse_workspace("workspace", text(form, "workspace"))
@@ -606,6 +624,8 @@ def create_app(console: Console) -> Starlette:
         ("/run/skip", skip_run, "POST"),
         ("/retry-dead", preview_retry, "GET"),
         ("/retry-dead", confirm_retry, "POST"),
+        ("/runs/act", preview_selected, "GET"),
+        ("/runs/act", act_on_selected, "POST"),
         ("/dead-letters/replay", replay_letters, "POST"),
         ("/done", result, "GET"),
     ]
@@ -667,6 +687,12 @@ def _toggle_live(request: Request, paused: bool) -> str:
     if not paused:
         params["live"] = "0"
     return href(request.url.path, params)
+
+
+def list_of(path: str) -> str:
+    """``path`` when it is a page of the runs list, else the runs list: where an action on
+    selected runs leads back to."""
+    return path if path == "/runs" or path.startswith("/runs?") else "/runs"
 
 
 def run_link(run_id: str, workspace: WorkspaceKey | None) -> str:

@@ -1,4 +1,5 @@
-"""What a console form names: a run, a bulk retry's runs, a reason, where to go after a login.
+"""What a console form names: a run, a bulk retry's runs, the runs selected for an action, a
+reason, where to go after a login.
 
 A form's fields are typed by someone or forged by a page elsewhere, as a URL's parameters are,
 so they are checked here with the rules of :mod:`relayr.console.queries`: a malformed one is
@@ -55,6 +56,27 @@ def run_ref(value: str) -> actions.RunRef:
     if len(parts) != 3 or not all(ID_PATTERN.fullmatch(part) for part in parts):
         raise BadQuery(f"run {value!r} is malformed: expected TENANT/WORKSPACE/RUN")
     return actions.RunRef(WorkspaceKey(parts[0], parts[1]), parts[2])
+
+
+def selected(params: Any) -> tuple[str, list[actions.RunRef]]:
+    """The action (``retry``, ``cancel``, ``skip``) and the runs (``run``, each
+    ``TENANT/WORKSPACE/RUN``, at most :data:`~relayr.console.actions.SELECTED_MAX`) a page or
+    form names for it; a run named twice counts once.
+
+    Raises:
+        BadQuery: When the action is not one of those, no run or too many are named, or a run
+            is malformed.
+    """
+    action = params.get("action") or ""
+    if action not in actions.SELECTED:
+        raise BadQuery(f"action {action[:40]!r} is not one of {', '.join(actions.SELECTED)}")
+    named = [value for value in params.getlist("run") if isinstance(value, str)]
+    if not named:
+        raise BadQuery("no run selected: tick the runs to act on in the runs list")
+    refs = list(dict.fromkeys(map(run_ref, named)))
+    if len(refs) > actions.SELECTED_MAX:
+        raise BadQuery(f"{len(refs)} runs selected: at most {actions.SELECTED_MAX} at once")
+    return action, refs
 
 
 def reason_of(form: FormData, *, default: str | None) -> str:

@@ -16,7 +16,7 @@ import jinja2
 from relayr.ops.report import TOOK
 from relayr.ops.transcript import marker
 
-from . import reads
+from . import actions, reads
 from .queries import ORDERS, PAGE_SIZE, STATUS_FILTERS, STATUS_HELP, href
 from .security import SESSION_MAX_AGE_S
 
@@ -41,6 +41,7 @@ def templates() -> jinja2.Environment:
         STATUS_HELP=STATUS_HELP,
         ORDERS=ORDERS,
         PAGE_SIZE=PAGE_SIZE,
+        SELECTED=actions.SELECTED,
         TURN_ADVICE=reads.TURN_ADVICE,
         TOOK=TOOK,
         SESSION_HOURS=SESSION_MAX_AGE_S // 3600,

@@ -1,22 +1,31 @@
 """Each of the console's former defects, in Chromium, on one real ``relayr console`` process over
 runs made by relayr's executor (:mod:`tests.console.console_world`): each test checks in the
-browser the behaviour its fix brought, and that a reload after an action repeats nothing.
+browser the behaviour its fix brought, and that a reload after an action repeats nothing. Also
+the overview's counts against the store's, the login, a refused run's and a traced run's links,
+and a replay of dead letters (on a console of its own, the example application's).
 """
 
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from reflexr import SourceActor
 from reflexr.workspace import Reactor
 
+from relayr.console.queries import STATUS_FILTERS
 from relayr.console.security import LOGGED_IN_AT, SESSION_COOKIE, SESSION_MAX_AGE_S
 from relayr.execution.executor import execute_run
+from relayr.observe import telemetry
 from relayr.ops.runs import operator
 from relayr.runtime.process import Runtime
 from tests.console.console_world import (
@@ -29,10 +38,11 @@ from tests.console.console_world import (
     run_to_end,
     thread_in,
 )
+from tests.console.test_console_health import ghost_notice
 from tests.console.test_console_operations import run_url
 from tests.console_app import HostileDue
 from tests.consoles import Client, Console, chromium, relayr, running_console, signed_session
-from tests.ops_app import FIXED, BackupDue
+from tests.ops_app import FIXED, BackupDue, DiskFull
 from tests.workers import relayr_environment
 
 if TYPE_CHECKING:
@@ -48,9 +58,19 @@ RETRY = "acme/retry"
 MOMENT = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"
 """A moment as the console shows it."""
 
+PICKED = "acme/picked"
+"""The workspace of the runs the selected-runs test acts on: no other test reads them."""
+
 BULK = "acme/bulk"
 PAGED = 55
 """Runs of :data:`BULK`: a page of 50 and some, for the keyset paging."""
+
+TRACE_URL = "http://jaeger.example/trace/{trace_id}"
+"""The console's ``RELAYR_TRACE_URL``."""
+
+NO_TURNS = '[default]\nthreads = "chain"\n'
+"""The world's allowlist: no rule may send, so ``ops:send-then-die`` is refused before it kills
+the process that executes it (this one)."""
 
 
 @dataclass
@@ -66,6 +86,13 @@ class Defects:
     gone: Fired
     """A dead run of :data:`RETRY` whose thread does not exist."""
     paged: list[str]
+    refused: Fired
+    """Dead ``not_allowed``: its send was refused by the allowlist."""
+    traced: Fired
+    trace_id: str
+    """The trace of :attr:`traced`'s one attempt, as its span was exported."""
+    picked: list[Fired]
+    """Three pending runs of :data:`PICKED`."""
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +106,14 @@ def world(
     tmp_path_factory: pytest.TempPathFactory, browser: "Browser"
 ) -> Iterator[tuple[Defects, Console]]:
     home = tmp_path_factory.mktemp("defects")
+    allowlist = home / "allowlist.toml"
+    allowlist.write_text(NO_TURNS)
     environment = relayr_environment(
-        home, app="tests.console_app:create_console_app", console_token=TOKEN
+        home,
+        app="tests.console_app:create_console_app",
+        console_token=TOKEN,
+        allowlist=allowlist,
+        trace_url=TRACE_URL,
     )
     made = make_world(environment, dead=3, dead_elsewhere=1, hostile=2, pending=2)
     defects: Defects = in_runtime(environment, lambda runtime: more_runs(runtime, made, home))
@@ -89,8 +122,9 @@ def world(
 
 
 async def more_runs(runtime: Runtime, made: World, home: Path) -> Defects:
-    """A retrying run, a succeeded one and a cancelled one; dead runs of :data:`RETRY`; and
-    :data:`PAGED` pending runs of ``acme/bulk``."""
+    """A retrying run, a succeeded one and a cancelled one; dead runs of :data:`RETRY`;
+    :data:`PAGED` pending runs of ``acme/bulk``; a run refused by the allowlist and a traced
+    one; three pending runs of :data:`PICKED`."""
     thread = made.threads["acme/ops"]
     retrying = await fire(runtime, "acme/ops", BackupDue(thread_id=thread))
     await execute_run(runtime, "acme", "ops", retrying.id)  # the first of its two attempts
@@ -115,7 +149,27 @@ async def more_runs(runtime: Runtime, made: World, home: Path) -> Defects:
     await Reactor(rules, actions=runtime.application.actions).evaluate()
     paged = [run.id for run in await bulk.runs()]
     assert len(paged) == PAGED
-    return Defects(made, retrying, succeeded, cancelled, doomed, gone, paged)
+    refused = await fire(runtime, "acme/ops", DiskFull(thread_id=thread))
+    assert await run_to_end(runtime, refused) == "dead"
+    traced = await fire(runtime, "acme/ops", HostileDue(thread_id=thread, payload="traced"))
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    telemetry.enable(provider)  # relayr's spans, as a worker with RELAYR_OTEL=1 makes them
+    try:
+        assert await run_to_end(runtime, traced) == "dead"
+    finally:
+        telemetry.disable()
+        provider.shutdown()
+    [attempt] = [s for s in spans.get_finished_spans() if s.name == "relayr.run console:hostile"]
+    assert attempt.context is not None
+    trace_id = f"{attempt.context.trace_id:032x}"
+    picked = [
+        await fire(runtime, PICKED, HostileDue(thread_id=thread, payload=str(n))) for n in range(3)
+    ]
+    return Defects(
+        made, retrying, succeeded, cancelled, doomed, gone, paged, refused, traced, trace_id, picked
+    )
 
 
 def log_in(browser: "Browser", console: Console, going: str = "/runs") -> "Page":
@@ -132,6 +186,19 @@ def local(url: str) -> str:
     """A console's URL as its own links name it: path and query."""
     parts = urlsplit(url)
     return f"{parts.path}?{parts.query}" if parts.query else parts.path
+
+
+def listed(page: "Page") -> list[tuple[str, str]]:
+    """Every run the runs list shows, from this page through its next pages: workspace, id."""
+    found: list[tuple[str, str]] = []
+    while True:
+        where = page.locator("#runs tbody tr[data-run] td[data-label=Workspace]")
+        found += zip(where.all_inner_texts(), row_ids(page), strict=True)
+        following = page.locator("#next-page")
+        if following.count() == 0:
+            return sorted(found)
+        following.click()
+        page.wait_for_url(re.compile(r"after="))
 
 
 def visitor(browser: "Browser") -> "Page":
@@ -330,16 +397,30 @@ def test_the_search_box_finds_a_run_two_workspaces_hold_and_an_event_9(
     assert parse_qs(urlsplit(page.url).query)["workspace"] == [run.where]
 
 
-def test_sorting_by_change_puts_the_run_that_just_changed_first_10(
+def test_acknowledging_a_dead_run_once_and_sorting_by_change_puts_it_first_10(
     world: tuple[Defects, Console], browser: "Browser"
 ) -> None:
     defects, console = world
     run = defects.world.dead[1]
     page = log_in(browser, console, local(run_url(console, run.id, run.where)))
     page.click("#acknowledge")
-    page.fill("#confirm input[name=reason]", "host retired")
+    page.wait_for_url(re.compile(r"/run/skip\?.*acknowledge=1"))
+    assert "Acknowledging it skips it" in page.locator("main").inner_text()
+    reason = page.locator("#confirm input[name=reason]")
+    assert reason.get_attribute("required") is not None
+    reason.fill("host retired")
     page.click("#confirm button[type=submit]")
     page.wait_for_url(re.compile(r"/done\?key="))
+    for _ in range(2):
+        answer = page.reload()
+        assert answer is not None
+        assert answer.request.method == "GET"
+        assert "skipped" in page.locator(f'#results tr[data-run="{run.id}"]').inner_text()
+    assert audit_rows(page, console, run) == [["console", "skip", "host retired"]]
+    report = relayr(defects.world.environment, "runs", "show", run.id, "--workspace", run.where)
+    assert [(a["action"], a["reason"]) for a in report["actions"]] == [("skip", "host retired")]
+    page.goto(run_url(console, run.id, run.where))
+    assert page.locator("#status-why").inner_text() == "by console: host retired"
     page.goto(console.at("/runs?workspace=acme/ops"))
     assert row_ids(page)[0] != run.id  # created long before the others
     page.click("#runs thead a:has-text('Changed')")
@@ -487,3 +568,189 @@ def test_a_refused_post_sends_the_login_back_to_the_page_not_the_action(
     assert status == 403
     assert f'href="/login?next={quote("/", safe="")}"' in answer
     assert "next=%2Frun%2Fcancel" not in answer
+
+
+def test_the_overviews_counts_are_the_stores_and_each_links_to_its_runs(
+    world: tuple[Defects, Console], browser: "Browser"
+) -> None:
+    defects, console = world
+    every = relayr(defects.world.environment, "runs", "list", "--limit", "10000")
+    runs = [(f"{r['tenant_id']}/{r['workspace_id']}", r["id"], r) for r in every]
+    page = visitor(browser)
+    page.goto(console.at("/"))
+    assert page.locator("#total").inner_text() == str(len(every))
+    statuses = Counter(r["status"] for r in every)
+    for status in STATUS_FILTERS:
+        shown = page.locator(f'#figures [data-status="{status}"] a.number').inner_text()
+        assert shown == str(statuses[status]), status
+    for table, key in (("#by-rule", "rule"), ("#by-workspace", "where")):
+        rows = page.locator(f"{table} tbody tr")
+        shown = {
+            rows.nth(n).locator("td").first.inner_text(): rows.nth(n).locator("a").inner_text()
+            for n in range(rows.count())
+        }
+        counts = Counter(r["rule"] if key == "rule" else where for where, _, r in runs)
+        assert shown == {label: str(count) for label, count in counts.items()}, table
+
+    page.click('#figures [data-status="dead"] a')
+    page.wait_for_url(re.compile(r"/runs\?status=dead$"))
+    assert listed(page) == sorted((w, i) for w, i, r in runs if r["status"] == "dead")
+    for table, key in (("#by-rule", "rule"), ("#by-workspace", "where")):
+        page.goto(console.at("/"))
+        first = page.locator(f"{table} tbody tr").first
+        label = first.locator("td").first.inner_text()
+        count = int(first.locator("a").inner_text())
+        first.locator("a").click()
+        page.wait_for_url(re.compile(r"/runs\?"))
+        chosen = sorted((w, i) for w, i, r in runs if (r["rule"] if key == "rule" else w) == label)
+        assert listed(page) == chosen, label
+        assert len(chosen) == count
+
+
+def test_the_overview_refreshes_itself_until_paused_and_says_as_of_when(
+    world: tuple[Defects, Console], browser: "Browser"
+) -> None:
+    _, console = world
+    page = visitor(browser)
+    page.goto(console.at("/"))
+    refresh = page.locator('meta[http-equiv="refresh"]')
+    assert refresh.count() == 1
+    assert re.fullmatch(r"\d+", refresh.get_attribute("content") or "")
+    assert re.match(f"As of {MOMENT}\\. Refreshes every", page.locator("#live").inner_text())
+    page.click("#pause")
+    page.wait_for_url(re.compile(r"/\?live=0$"))
+    assert page.locator('meta[http-equiv="refresh"]').count() == 0
+    live = page.locator("#live").inner_text()
+    assert re.match(f"As of {MOMENT}\\. Paused", live), live
+    assert page.locator("#total").is_visible()
+    page.click("#resume")
+    page.wait_for_url(console.at("/"))
+    assert page.locator('meta[http-equiv="refresh"]').count() == 1
+
+
+def test_a_reload_after_logging_in_does_not_send_the_login_again(
+    world: tuple[Defects, Console], browser: "Browser"
+) -> None:
+    _, console = world
+    logins = console.process.log().count('"console login"')
+    going = "/runs?status=dead"
+    page = log_in(browser, console, going)
+    assert "/login" not in page.url
+    answer = page.reload()
+    assert answer is not None
+    assert (answer.request.method, answer.status) == ("GET", 200)
+    assert page.url == console.at(going)
+    assert page.locator("#operator").is_visible()
+    assert console.process.log().count('"console login"') == logins + 1
+
+
+def test_a_run_the_allowlist_refused_links_to_its_rules_entry(
+    world: tuple[Defects, Console], browser: "Browser"
+) -> None:
+    defects, console = world
+    run = defects.refused
+    page = visitor(browser)
+    page.goto(run_url(console, run.id, run.where))
+    assert page.locator("#status").inner_text() == "dead"
+    page.click("#reason a:has-text('not_allowed')")
+    page.wait_for_url(re.compile(r"/allowlist#rule-ops:send-then-die$"))
+    entry = page.locator('[id="rule-ops:send-then-die"]')
+    assert entry.is_visible()
+    assert entry.locator("td").nth(2).inner_text().startswith("false")  # turns
+
+
+def test_a_traced_run_links_its_trace_by_the_settings_template(
+    world: tuple[Defects, Console], browser: "Browser"
+) -> None:
+    """The attempt's trace, as exported, linked by ``RELAYR_TRACE_URL`` on the run's page."""
+    defects, console = world
+    page = visitor(browser)
+    page.goto(run_url(console, defects.refused.id, defects.refused.where))
+    assert page.locator("#traces").inner_text() == "-"  # executed untraced
+    page.goto(run_url(console, defects.traced.id, defects.traced.where))
+    link = page.locator("#traces a")
+    shown = page.locator("#traces").inner_text()
+    assert shown == defects.trace_id, "the run records no trace id of its traced attempt"
+    assert link.get_attribute("href") == TRACE_URL.replace("{trace_id}", defects.trace_id)
+
+
+def test_a_dead_letters_replay_from_the_health_page_is_not_repeated_by_a_reload(
+    tmp_path: Path, browser: "Browser"
+) -> None:
+    environment = relayr_environment(tmp_path, console_token=TOKEN)
+    with ThreadPoolExecutor(max_workers=1) as thread:  # Playwright holds this thread's loop
+        thread.submit(ghost_notice, environment).result()
+    relayr(environment, "follow", "--once")
+    with running_console(environment, tmp_path) as console:
+        page = log_in(browser, console, "/health")
+        row = page.locator("#letters tr[data-envelope]")
+        assert row.count() == 1
+        assert row.locator("td[data-label=Tries]").inner_text() == "1"
+        page.click("form.replay button:has-text('acme/ops')")
+        page.wait_for_url(console.at("/health#dead-letters"))
+        replayed = page.locator("#replayed").inner_text()
+        assert replayed == "Replayed: acme/ops: 0 bridged, 1 failed again, 0 left waiting."
+        for _ in range(2):
+            answer = page.reload()
+            assert answer is not None
+            assert answer.request.method == "GET"
+            assert page.locator("#replayed").count() == 0  # said once
+            assert row.locator("td[data-label=Tries]").inner_text() == "2"
+    [letter] = relayr(environment, "follow", "dead-letters", "list")
+    assert letter["tries"] == 2
+
+
+def test_runs_selected_on_the_list_are_acted_on_once_after_a_preview(
+    world: tuple[Defects, Console], browser: "Browser"
+) -> None:
+    """Tick runs, choose an action, confirm after a preview that says what it would do to each;
+    a run whose status the action does not take is refused, and a reload repeats nothing."""
+    defects, console = world
+    first, second, third = defects.picked
+    going = "/runs?" + urlencode({"workspace": PICKED})
+    page = log_in(browser, console, going)
+    for run in (first, second):
+        page.check(f'#runs input[type=checkbox][value="{PICKED}/{run.id}"]')
+    page.select_option("#act-on-selected select[name=action]", "skip")
+    page.click("#act-on-selected button[type=submit]")
+    page.wait_for_url(re.compile(r"/runs/act\?"))
+    verdicts = page.locator("#selection tbody tr").evaluate_all(
+        "rows => rows.map(row => [row.dataset.run, row.dataset.verdict])"
+    )
+    assert sorted(verdicts) == sorted([[first.id, "act"], [second.id, "act"]])
+    reason = page.locator("#confirm input[name=reason]")
+    assert reason.get_attribute("required") is not None
+    reason.fill("duplicates of one alert")
+    page.click("#confirm button[type=submit]")
+    page.wait_for_url(re.compile(r"/done\?key="))
+    for _ in range(2):
+        answer = page.reload()
+        assert answer is not None
+        assert answer.request.method == "GET"
+        now = page.locator("#results td.now").all_inner_texts()
+        assert now == ["skipped", "skipped"]
+    for run in (first, second):
+        assert audit_rows(page, console, run) == [["console", "skip", "duplicates of one alert"]]
+    page.go_back()  # the result page, then the way back to the list it was chosen on
+    page.click("#summary a:has-text('Back')")
+    page.wait_for_url(console.at(going))
+
+    page.check(f'#runs input[type=checkbox][value="{PICKED}/{first.id}"]')
+    page.check(f'#runs input[type=checkbox][value="{PICKED}/{third.id}"]')
+    page.select_option("#act-on-selected select[name=action]", "retry")
+    page.click("#act-on-selected button[type=submit]")
+    page.wait_for_url(re.compile(r"/runs/act\?"))
+    refused = page.locator(f'#selection tr[data-run="{third.id}"]')
+    assert refused.get_attribute("data-verdict") == "refused"
+    assert refused.locator("td[data-label=Would]").inner_text().startswith("pending: retry takes")
+    assert page.locator("#confirm input[name=reason]").count() == 0  # a retry takes none
+    page.click("#confirm button[type=submit]")
+    page.wait_for_url(re.compile(r"/done\?key="))
+    page.reload()
+    assert page.locator("#results tr.ok").evaluate_all("rows => rows.map(r => r.dataset.run)") == [
+        first.id
+    ]
+    report = relayr(defects.world.environment, "runs", "show", first.id, "--workspace", PICKED)
+    assert [action["action"] for action in report["actions"]] == ["skip", "retry"]
+    report = relayr(defects.world.environment, "runs", "show", third.id, "--workspace", PICKED)
+    assert (report["run"]["status"], report["actions"]) == ("pending", [])

@@ -57,6 +57,13 @@ def test_stored_markup_comes_back_as_text(read_only: tuple[Console, str]) -> Non
         ("/run?id=a%20b", "id 'a b' is malformed"),
         ("/thread?workspace=acme/ops", "id '' is malformed"),
         ("/retry-dead?since=2x", "since '2x' is not a duration"),
+        ("/runs/act?action=delete&run=acme/ops/fir_1", "action 'delete' is not one of retry"),
+        ("/runs/act?action=skip", "no run selected: tick the runs to act on"),
+        ("/runs/act?action=skip&run=fir_1", "run 'fir_1' is malformed: expected TENANT/"),
+        (
+            "/runs/act?action=skip&" + "&".join(f"run=acme/ops/fir_{n}" for n in range(101)),
+            "101 runs selected: at most 100 at once",
+        ),
     ],
 )
 def test_a_bad_parameter_is_one_line_naming_it(

@@ -24,6 +24,7 @@ ACTIONS = (
     "/run/skip",
     "/retry-dead",
     "/dead-letters/replay",
+    "/runs/act",
     "/logout",
     "/login",
 )
