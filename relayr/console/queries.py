@@ -4,9 +4,9 @@ Everything in a URL is typed by someone (or forged by a page elsewhere), so it i
 once, with the command line's rules for ids and durations (``relayr runs list --workspace
 --since``): a bad value is :class:`BadQuery`, shown as one line naming the parameter (400),
 before any storage is read. The filter's status names are reflexr's, the ones each row shows
-(:data:`STATUS_FILTERS`); a rule is matched by any part of its name in any case, and a
-workspace filter takes a tenant too. Pages follow each other by a cursor (keyset paging), so
-every run is reachable however deep.
+(:data:`STATUS_FILTERS`); a rule is matched by its exact name, else by any part of its name in
+any case, and a workspace filter takes a tenant too. Pages follow each other by a cursor
+(keyset paging), so every run is reachable however deep.
 """
 
 from collections.abc import Callable, Iterable, Mapping
@@ -219,12 +219,16 @@ class RunQuery:
         )
 
     def rule_names(self, known: Iterable[str]) -> tuple[str, ...] | None:
-        """The rules the filter's part of a name selects, among ``known`` (any case); None when
-        the filter names no rule."""
+        """The rules the filter selects among ``known``: the one it names exactly, else every
+        rule it names a part of (any case); None when the filter names no rule. So a link to
+        one rule's runs lists that rule's only, though its name is part of another's."""
         if self.rule is None:
             return None
+        names = set(known)
+        if self.rule in names:
+            return (self.rule,)
         part = self.rule.casefold()
-        return tuple(sorted(name for name in known if part in name.casefold()))
+        return tuple(sorted(name for name in names if part in name.casefold()))
 
     def run_filter(
         self, now: datetime, *, limit: int | None, known: Iterable[str] = ()
