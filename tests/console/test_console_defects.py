@@ -201,6 +201,22 @@ def listed(page: "Page") -> list[tuple[str, str]]:
         page.wait_for_url(re.compile(r"after="))
 
 
+def reloaded(page: "Page") -> None:
+    """Reload the page, which must be read again with a GET (a POST's answer was redirected)."""
+    answer = page.reload()
+    assert answer is not None
+    assert answer.request.method == "GET"
+
+
+def confirmed(page: "Page", reason: str) -> None:
+    """Give the confirmation its required reason, confirm, and wait for the result page."""
+    field = page.locator("#confirm input[name=reason]")
+    assert field.get_attribute("required") is not None
+    field.fill(reason)
+    page.click("#confirm button[type=submit]")
+    page.wait_for_url(re.compile(r"/done\?key="))
+
+
 def visitor(browser: "Browser") -> "Page":
     return browser.new_context().new_page()
 
@@ -406,15 +422,9 @@ def test_acknowledging_a_dead_run_once_and_sorting_by_change_puts_it_first_10(
     page.click("#acknowledge")
     page.wait_for_url(re.compile(r"/run/skip\?.*acknowledge=1"))
     assert "Acknowledging it skips it" in page.locator("main").inner_text()
-    reason = page.locator("#confirm input[name=reason]")
-    assert reason.get_attribute("required") is not None
-    reason.fill("host retired")
-    page.click("#confirm button[type=submit]")
-    page.wait_for_url(re.compile(r"/done\?key="))
+    confirmed(page, "host retired")
     for _ in range(2):
-        answer = page.reload()
-        assert answer is not None
-        assert answer.request.method == "GET"
+        reloaded(page)
         assert "skipped" in page.locator(f'#results tr[data-run="{run.id}"]').inner_text()
     assert audit_rows(page, console, run) == [["console", "skip", "host retired"]]
     report = relayr(defects.world.environment, "runs", "show", run.id, "--workspace", run.where)
@@ -691,9 +701,7 @@ def test_a_dead_letters_replay_from_the_health_page_is_not_repeated_by_a_reload(
         replayed = page.locator("#replayed").inner_text()
         assert replayed == "Replayed: acme/ops: 0 bridged, 1 failed again, 0 left waiting."
         for _ in range(2):
-            answer = page.reload()
-            assert answer is not None
-            assert answer.request.method == "GET"
+            reloaded(page)
             assert page.locator("#replayed").count() == 0  # said once
             assert row.locator("td[data-label=Tries]").inner_text() == "2"
     [letter] = relayr(environment, "follow", "dead-letters", "list")
@@ -718,15 +726,9 @@ def test_runs_selected_on_the_list_are_acted_on_once_after_a_preview(
         "rows => rows.map(row => [row.dataset.run, row.dataset.verdict])"
     )
     assert sorted(verdicts) == sorted([[first.id, "act"], [second.id, "act"]])
-    reason = page.locator("#confirm input[name=reason]")
-    assert reason.get_attribute("required") is not None
-    reason.fill("duplicates of one alert")
-    page.click("#confirm button[type=submit]")
-    page.wait_for_url(re.compile(r"/done\?key="))
+    confirmed(page, "duplicates of one alert")
     for _ in range(2):
-        answer = page.reload()
-        assert answer is not None
-        assert answer.request.method == "GET"
+        reloaded(page)
         now = page.locator("#results td.now").all_inner_texts()
         assert now == ["skipped", "skipped"]
     for run in (first, second):
