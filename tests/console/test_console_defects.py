@@ -693,6 +693,11 @@ def test_a_dead_letters_replay_from_the_health_page_is_not_repeated_by_a_reload(
     relayr(environment, "follow", "--once")
     with running_console(environment, tmp_path) as console:
         page = log_in(browser, console, "/health")
+        # defect 11: the queue has a table of its own, a follower's lag is a time
+        assert re.fullmatch(r"\d+", page.locator("#queue td.depth").inner_text())
+        assert "waiting" not in page.locator("#heartbeats").inner_text()
+        lag = page.locator('#followers tr[data-workspace="acme/ops"] td.lag').inner_text()
+        assert re.fullmatch(r"up to date|[\d. a-z]+ \(\d+ envelope\(s\)\)", lag), lag
         row = page.locator("#letters tr[data-envelope]")
         assert row.count() == 1
         assert row.locator("td[data-label=Tries]").inner_text() == "1"
