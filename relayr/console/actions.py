@@ -289,8 +289,14 @@ async def act_on_selected(
     ``reason`` is a cancel's or a skip's (a retry takes none)."""
     rules = runtime.application.rules
     found, missing = await _find(runtime, [(ref.workspace, ref.run_id) for ref in refs])
-    refused = [refusal for row in found if (refusal := _fits(action, row)) is not None]
-    fit = [row for row in found if _fits(action, row) is None]
+    fit: list[RunRow] = []
+    refused: list[OperatorResult] = []
+    for row in found:
+        refusal = _fits(action, row)
+        if refusal is None:
+            fit.append(row)
+        else:
+            refused.append(refusal)
     if action == "retry":
         done = await retry(rules, fit, enqueue, actor=actor)
     elif action == "cancel":
