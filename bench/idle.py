@@ -6,8 +6,10 @@ answers (so a dispatcher knows and follows every one of them, and none has a run
 ``relayr dispatch`` (default settings, following artifactr's logs as it does by default; no
 worker) and:
 
-1. waits until its first pass is over: its heartbeat, refreshed after each pass
-   (``relayr health --dispatcher``), has beaten twice (at most ``--settle-s``);
+1. waits until it has worked off its first sweep (every workspace followed and evaluated, in
+   batches): its heartbeat, refreshed after each pass (``relayr health --dispatcher``), has
+   beaten twice and it logged ``dispatcher caught up`` (at most ``--settle-s``; ``caught_up_s``
+   and ``caught_up_passes`` say how long that took and in how many passes);
 2. **idle**: reads its CPU time from ``/proc`` over ``--window-s`` (30 s) with nothing new
    anywhere, as a share of one core (and, on PostgreSQL, its database backends' too);
 3. **decide**: publishes one ``deploy:finished`` event into each of ``--new`` M of the
@@ -29,6 +31,7 @@ rule answers (:mod:`bench.idle_app`).
 import argparse
 import asyncio
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -53,6 +56,7 @@ from bench.idle_app import APP, Seen
 from bench.stamps import READER, Stores, deploy
 from bench.verdicts import Target
 from relayr import broker
+from relayr.cli.processes import RelayrProcess
 from relayr.observe.health import heartbeat_path
 from relayr.settings import Settings
 
@@ -71,6 +75,9 @@ folder, or one ``LLEN``; the granularity of the decide time."""
 
 BEATS_SETTLED: Final = 2
 """Heartbeats after the start before the window opens: the first pass's, then one more."""
+
+CAUGHT_UP: Final = re.compile(r"^.*dispatcher caught up.*$", re.MULTILINE)
+"""The dispatcher's log line when it has worked off its first sweep (as text or as JSON)."""
 
 
 def workspace_name(index: int) -> str:
@@ -91,24 +98,45 @@ async def make_workspaces(stores: Stores, count: int) -> list[str]:
     return threads
 
 
-def settle(deployed: Deployment, timeout_s: float) -> dict[str, Any]:
-    """Wait for :data:`BEATS_SETTLED` heartbeats of the dispatcher; when the first came, and
-    whether they all did within ``timeout_s``."""
+def settle(deployed: Deployment, dispatcher: RelayrProcess, timeout_s: float) -> dict[str, Any]:
+    """Wait for :data:`BEATS_SETTLED` heartbeats of the dispatcher, then until it says it
+    caught up (``dispatcher caught up``: the first sweep's workspaces followed and evaluated,
+    in batches); when the first beat came, how long catching up took, and whether both came
+    within ``timeout_s``."""
     path = heartbeat_path(deployed.settings.home, "dispatcher")
     started = time.monotonic()
     beats: list[float] = []
     last: float | None = None
-    while len(beats) < BEATS_SETTLED and time.monotonic() - started < timeout_s:
+    caught_up: tuple[int, float] | None = None
+    while time.monotonic() - started < timeout_s:
         with contextlib.suppress(FileNotFoundError):
             mtime = path.stat().st_mtime
             if mtime != last:
                 last = mtime
                 beats.append(time.monotonic() - started)
+        caught_up = caught_up_in(dispatcher.log())
+        if len(beats) >= BEATS_SETTLED and caught_up is not None:
+            break
         time.sleep(0.05)
     return {
         "first_pass_s": round(beats[0], 2) if beats else None,
-        "settled": len(beats) >= BEATS_SETTLED,
+        "caught_up_s": None if caught_up is None else caught_up[1],
+        "caught_up_passes": None if caught_up is None else caught_up[0],
+        "settled": len(beats) >= BEATS_SETTLED and caught_up is not None,
     }
+
+
+def caught_up_in(log: str) -> tuple[int, float] | None:
+    """The passes and seconds of the dispatcher's first ``dispatcher caught up`` line, as text
+    (``passes=3 took_s=1.2``) or as JSON (``"passes": 3, "took_s": 1.2``); None before it."""
+    line = CAUGHT_UP.search(log)
+    if line is None:
+        return None
+    passes = re.search(r"passes\W{1,3}(\d+)", line[0])
+    took_s = re.search(r"took_s\W{1,3}([\d.]+)", line[0])
+    if passes is None or took_s is None:
+        return None
+    return int(passes[1]), float(took_s[1])
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -211,7 +239,7 @@ def measure(deployed: Deployment, args: argparse.Namespace) -> dict[str, Any]:
     made_s = time.monotonic() - started
     dispatcher = deployed.start("dispatch", name="dispatch")
     note(f"{deployed.storage.kind}: waiting for the dispatcher's first pass")
-    settled = settle(deployed, args.settle_s)
+    settled = settle(deployed, dispatcher, args.settle_s)
     note(f"{deployed.storage.kind}: idle for {args.window_s} s")
     load_before = machine()["load_avg"]
     idle = cpu_window(deployed, dispatcher.pid, args.window_s)

@@ -258,6 +258,9 @@ class Dispatcher:
         self._ticked_at: float | None = None
         self._evaluated_to: dict[WorkspaceRef, int] = {}
         self._followed_to: dict[Workspace, int] = {}
+        self._swept_heads: dict[Workspace, int] = {}
+        """artifactr's heads as the last sweep read them: a workspace followed in a later pass
+        is recorded followed to its head then (so the next sweep does not follow it again)."""
         self._to_evaluate: dict[Workspace, None] = {}
         self._backlogged: dict[Workspace, None] = {}
         """Workspaces evaluated one transaction short of their head: each pass evaluates one
@@ -429,8 +432,10 @@ class Dispatcher:
 
         Passes also come every ``dispatch_interval_s`` (schedules, the due list) and sweep
         every ``dispatch_sweep_s``. A pass that fails is logged and the next one starts over;
-        a pass that left work behind is followed at once by the next. A feed that cannot start
-        is logged, and every timed pass then sweeps. Stopping gives up the followers' leases.
+        a pass that left work behind is followed at once by the next, and the last of such
+        passes (the first sweep's too) logs ``dispatcher caught up``, with how many passes and
+        how long they took. A feed that cannot start is logged, and every timed pass then
+        sweeps. Stopping gives up the followers' leases.
         """
         feed = self._feed
         if feed is None:
@@ -462,6 +467,7 @@ class Dispatcher:
         self, enqueue: Enqueue, stop: asyncio.Event, feed: ChangeFeed, listening: bool
     ) -> None:
         swept_at: float | None = None
+        catching_up: _CatchingUp | None = _CatchingUp(self._monotonic())  # the first sweep
         while not stop.is_set():
             now = self._monotonic()
             changes = feed.take()
@@ -478,6 +484,14 @@ class Dispatcher:
                 more = self.behind or (self._due_read_at is None and done.enqueued > 0)
             except Exception:
                 logger.exception("a dispatch pass failed; the next one starts over")
+            if self.behind and catching_up is None:
+                catching_up = _CatchingUp(now)
+            if catching_up is not None:
+                catching_up.passes += 1
+                if not self.behind:
+                    took_s = round(self._monotonic() - catching_up.since, 1)
+                    logger.info("dispatcher caught up", passes=catching_up.passes, took_s=took_s)
+                    catching_up = None
             if more:
                 await asyncio.sleep(0)
                 continue
@@ -543,7 +557,7 @@ class Dispatcher:
                 done = await self._followers.follow_all()
                 self._to_follow.clear()
                 return done.bridged, []
-            heads = found.artifacts
+            heads = self._swept_heads = found.artifacts
             self._to_follow.update(
                 dict.fromkeys(w for w, head in heads.items() if self._followed_to.get(w) != head)
             )
@@ -551,10 +565,9 @@ class Dispatcher:
         if not chosen:
             return 0, []
         done, moved = await self._followers.follow_these({WorkspaceKey(*w) for w in chosen})
-        if heads is not None:
-            for workspace in chosen:
-                if workspace in heads:
-                    self._followed_to[workspace] = heads[workspace]
+        for workspace in chosen:  # followed to at least the head the last sweep read
+            if workspace in self._swept_heads:
+                self._followed_to[workspace] = self._swept_heads[workspace]
         behind = [(key.tenant_id, key.workspace_id) for key in moved]
         return done.bridged, behind
 
@@ -714,6 +727,14 @@ def _first(
         if owns is None or owns(*workspace):
             chosen.append(workspace)
     return chosen
+
+
+@dataclass
+class _CatchingUp:
+    """Passes made back to back since ``since`` (monotonic), to work off what was queued."""
+
+    since: float
+    passes: int = 0
 
 
 async def _first_of(feed: ChangeFeed, stop: asyncio.Event, timeout_s: float) -> None:

@@ -21,10 +21,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from sqlalchemy import event
 
 from relayr.core.run_messages import RunMessage
-from relayr.dispatch.dispatcher import Dispatcher
+from relayr.dispatch.changes import Changes, feed_for
+from relayr.dispatch.dispatcher import EVALUATION_BATCH, Dispatcher
 from relayr.follow.events import FOLLOWER, MessagePosted, TurnEnded
+from relayr.follow.follower import Followers
 from relayr.follow.projections import PROJECTIONS, Projection, Source
-from relayr.follow.reports import CAUSE_MISSING, PROJECTION_FAILED
+from relayr.follow.reports import CAUSE_MISSING, PROJECTION_FAILED, Followed
 from relayr.ledger.port import WorkspaceKey
 from relayr.observe import telemetry
 from tests.follow_app import MAX_DEPTH, Asked, Looped
@@ -330,6 +332,14 @@ async def test_one_follower_per_workspace_at_a_time(world: World) -> None:
 # ─── what a pass costs ────────────────────────────────────────────────────────
 
 
+async def empty_queue() -> int:
+    return 0
+
+
+async def ignore(batch: RunMessage) -> None:
+    """An enqueue that drops what it is given: these tests count what a pass reads."""
+
+
 @pytest.mark.parametrize("world", SQL_STORAGES, indirect=True)
 async def test_a_pass_costs_a_handful_of_transactions(world: World) -> None:
     engines = world.runtime.application.engines
@@ -351,6 +361,42 @@ async def test_a_pass_costs_a_handful_of_transactions(world: World) -> None:
     assert (quiet.read, quiet_count) == (0, 1)
     assert busy.bridged == 20
     assert len(begun) <= 4, begun  # the read, the publish, the cursor (+ a lease)
+
+
+@pytest.mark.parametrize("world", SQL_STORAGES, indirect=True)
+async def test_a_sweep_follows_no_workspace_again_that_a_later_pass_followed(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep queues every artifactr workspace whose head it has not seen followed; those past
+    the first batch are followed in the next passes, and the next sweep, with nothing new,
+    follows none of them again."""
+    application = world.runtime.application
+    workspaces = [f"w{number}" for number in range(EVALUATION_BATCH + 3)]
+    for workspace in workspaces:
+        handle = await application.artifacts.open(TENANT, workspace, actor=PERSON)
+        await handle.create_thread("quiet")
+    await world.publish(Asked(thread_id=await world.thread(), text="ping"))
+    followed: list[WorkspaceKey] = []
+    follow = Followers.follow
+
+    async def counted(self: Followers, key: WorkspaceKey) -> Followed:
+        followed.append(key)
+        return await follow(self, key)
+
+    monkeypatch.setattr(Followers, "follow", counted)
+    feed = feed_for(application.engines, application.rules.storage)
+    await feed.start()
+    try:
+        dispatcher = Dispatcher(world.runtime, queue_depth=empty_queue, feed=feed)
+        await dispatcher.pass_once(ignore)  # a sweep: the first batch
+        while dispatcher.behind:
+            await dispatcher.pass_once(ignore, Changes())
+        assert {key.workspace_id for key in followed} >= set(workspaces)
+        followed.clear()
+        await dispatcher.pass_once(ignore)  # a sweep, nothing new anywhere
+    finally:
+        await feed.aclose()
+    assert followed == []
 
 
 @pytest.mark.parametrize("world", SQL_STORAGES, indirect=True)

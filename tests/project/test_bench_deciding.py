@@ -165,6 +165,8 @@ def test_idle_prints_the_dispatcher_s_cpu_and_the_time_to_decide(
     assert figures["workspaces"] == 4
     assert figures["settled"] is True
     assert figures["first_pass_s"] >= 0
+    assert figures["caught_up_passes"] >= 1  # the first sweep, worked off in passes
+    assert figures["caught_up_s"] >= 0
     assert figures["window_s"] >= 1
     assert figures["dispatcher_cpu_percent"] >= 0
     assert figures["database_cpu_percent"] is None  # SQLite: no server
