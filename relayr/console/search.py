@@ -89,13 +89,13 @@ async def search(runtime: Runtime, query: str, index: RunIndex) -> Found:
 
 
 async def _by_id(runtime: Runtime, found_id: str, index: RunIndex) -> list[Hit]:
-    """What has this id: first only the kind its prefix names, then any kind if that found
-    nothing (an id its writer chose may have any prefix)."""
+    """What has this id: first only the kind its prefix names, then the other kinds if that
+    found nothing (an id its writer chose may have any prefix)."""
     named = ID_KINDS.get(found_id.partition("_")[0])
-    hits: list[Hit] = []
-    if named is not None:
-        hits = await _of_kinds(runtime, found_id, index, frozenset({named}))
-    return hits or await _of_kinds(runtime, found_id, index, KINDS)
+    if named is None:
+        return await _of_kinds(runtime, found_id, index, KINDS)
+    hits = await _of_kinds(runtime, found_id, index, frozenset({named}))
+    return hits or await _of_kinds(runtime, found_id, index, KINDS - {named})
 
 
 async def _of_kinds(

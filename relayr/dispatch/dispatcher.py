@@ -550,16 +550,16 @@ class Dispatcher:
         from relayr.ledger.port import WorkspaceKey
 
         feed = self._feed
-        heads: dict[Workspace, int] | None = None
         if sweep or feed is None or not feed.sees_artifacts:
             found = await feed.heads() if feed is not None else None
             if found is None or found.artifacts is None:  # no heads: follow every workspace
                 done = await self._followers.follow_all()
                 self._to_follow.clear()
                 return done.bridged, []
-            heads = self._swept_heads = found.artifacts
+            self._swept_heads = found.artifacts
+            followed = self._followed_to
             self._to_follow.update(
-                dict.fromkeys(w for w, head in heads.items() if self._followed_to.get(w) != head)
+                dict.fromkeys(w for w, head in found.artifacts.items() if followed.get(w) != head)
             )
         chosen = _first(self._to_follow, EVALUATION_BATCH, self._owns)
         if not chosen:
