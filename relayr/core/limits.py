@@ -180,3 +180,24 @@ def window_admits(
         if excess <= 0:
             return False, at + rate.window
     return False, (inside[-1][0] + rate.window) if inside else now + rate.window
+
+
+def turn_in_window(
+    used: Sequence[tuple[datetime, int]], rate: Rate, ahead: int, now: datetime
+) -> datetime | None:
+    """When one more use can expect to fit for a run with ``ahead`` runs waiting before it,
+    each taking, in turn, the next use the window frees (and its own use freeing again a
+    window later); None if one fits now.
+
+    The window's uses leave it oldest first: the first waiter takes the first that leaves, the
+    ``count``-th the ``count``-th, the next the first one's again a window later, and so on. A
+    time this gives is never later than the use could come, if the runs ahead take theirs.
+    """
+    fits, next_at = window_admits(used, rate, 1, now)
+    if fits:
+        return None
+    inside = [at for at, spent in used if at > now - rate.window for _ in range(spent)]
+    if len(inside) < rate.count or rate.count < 1:
+        return next_at
+    rounds, place = divmod(ahead, rate.count)
+    return inside[len(inside) - rate.count + place] + rate.window * (rounds + 1)

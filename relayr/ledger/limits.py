@@ -29,7 +29,14 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from relayr.core.limits import MAX_WINDOW, Limit, LimitKind, Rate, window_admits
+from relayr.core.limits import (
+    MAX_WINDOW,
+    Limit,
+    LimitKind,
+    Rate,
+    turn_in_window,
+    window_admits,
+)
 from relayr.ledger.sql import SqlStore
 
 
@@ -211,8 +218,20 @@ class InMemoryLimitStore:
             return Refusal(check, None)
         if check.use is not None and (check.bucket, check.use) in self.uses:
             return None
-        fits, next_at = window_admits(self._used(check.bucket), check.bound, 1, now)
-        return None if fits else Refusal(check, next_at)
+        used = self._used(check.bucket)
+        fits, next_at = window_admits(used, check.bound, 1, now)
+        if fits:
+            return None
+        if check.kind == "turns_per":
+            mine = self.waits.get(run)
+            ahead = sum(
+                1
+                for wait in self.waits.values()
+                if (wait.limit, wait.kind) == (check.limit, check.kind)
+                and (mine is None or (wait.since, wait.run) < (mine.since, run))
+            )
+            next_at = turn_in_window(used, check.bound, ahead, now)
+        return Refusal(check, next_at)
 
     def _wait(self, run: RunKey, refusal: Refusal, now: datetime) -> None:
         since = self.waits[run].since if run in self.waits else now
@@ -350,7 +369,7 @@ class SqlLimitStore(SqlStore):
         async with self._transaction() as connection:
             await self._lock(connection, sorted({check.bucket for check in checks}))
             for check in checks:
-                refusal = await self._refusal(connection, holder, check, now)
+                refusal = await self._refusal(connection, run, check, now)
                 if refusal is not None:
                     await self._wait(connection, run, refusal, now)
                     return refusal
@@ -398,8 +417,9 @@ class SqlLimitStore(SqlStore):
             )
 
     async def _refusal(
-        self, connection: AsyncConnection, holder: str, check: Check, now: datetime
+        self, connection: AsyncConnection, run: RunKey, check: Check, now: datetime
     ) -> Refusal | None:
+        holder = str(run)
         if isinstance(check.bound, int):
             slots = slots_table.c
             mine = await connection.scalar(
@@ -425,7 +445,26 @@ class SqlLimitStore(SqlStore):
         )
         used = [(_aware(at), int(amount)) for at, amount in rows.all()]
         fits, next_at = window_admits(used, check.bound, 1, now)
-        return None if fits else Refusal(check, next_at)
+        if fits:
+            return None
+        if check.kind == "turns_per":
+            ahead = await self._ahead(connection, run, check)
+            next_at = turn_in_window(used, check.bound, ahead, now)
+        return Refusal(check, next_at)
+
+    async def _ahead(self, connection: AsyncConnection, run: RunKey, check: Check) -> int:
+        """How many runs wait on the check's limit before ``run``: every one, if it did not
+        wait yet; else those that first waited before it (the order :meth:`waiting` lists)."""
+        waits = waits_table.c
+        where = [waits.limit_name == check.limit, waits.kind == check.kind]
+        since = await connection.scalar(select(waits.since).where(*_is_run(waits_table, run)))
+        if since is not None:
+            mine = (since, run.tenant_id, run.workspace_id, run.run_id)
+            where.append(
+                tuple_(waits.since, waits.tenant_id, waits.workspace_id, waits.run_id)
+                < tuple_(*mine)
+            )
+        return int(await connection.scalar(select(func.count()).where(*where)) or 0)
 
     async def _wait(
         self, connection: AsyncConnection, run: RunKey, refusal: Refusal, now: datetime

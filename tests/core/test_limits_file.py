@@ -9,7 +9,7 @@ import pytest
 
 from relayr.core.allowlist_toml import parse_allowlist
 from relayr.core.errors import InvalidAllowlist
-from relayr.core.limits import Rate, parse_rate, window_admits
+from relayr.core.limits import Rate, parse_rate, turn_in_window, window_admits
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
@@ -153,6 +153,21 @@ def test_a_sliding_window_admits_up_to_its_count_and_says_when_the_next_fits() -
     assert window_admits(used[1:], rate, 1, NOW) == (True, None)
     later = NOW + timedelta(seconds=10, microseconds=1)
     assert window_admits(used, rate, 1, later) == (True, None)
+
+
+def test_runs_waiting_on_a_window_each_expect_the_use_their_place_frees() -> None:
+    rate = parse_rate("3/1m")
+    used = [(NOW - timedelta(seconds=50), 1), (NOW - timedelta(seconds=20), 1), (NOW, 1)]
+    expected = [
+        NOW + timedelta(seconds=10),  # the first to wait takes the oldest use as it leaves
+        NOW + timedelta(seconds=40),
+        NOW + timedelta(minutes=1),
+        NOW + timedelta(seconds=70),  # the fourth, the first one's again a window later
+    ]
+    assert [turn_in_window(used, rate, ahead, NOW) for ahead in range(4)] == expected
+    assert turn_in_window(used[1:], rate, 5, NOW) is None  # one fits now: no wait
+    # a limit lowered under what the window holds: the uses over it leave first
+    assert turn_in_window(used, parse_rate("2/1m"), 0, NOW) == NOW + timedelta(seconds=40)
 
 
 def test_a_window_of_tokens_waits_until_enough_has_left_it() -> None:

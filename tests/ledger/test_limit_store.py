@@ -85,6 +85,37 @@ async def test_a_window_admits_its_count_and_says_when_the_next_fits(store: Limi
     assert (use.used, use.waiting) == (3, 0)
 
 
+async def test_runs_waiting_on_a_window_go_in_turn_not_all_at_its_next_opening(
+    store: LimitStore,
+) -> None:
+    """Each refused run expects the use its place in the line frees (ADR-0118): three a minute,
+    so the first three waiting go at the next opening, the next three a minute after."""
+    for n in range(3):
+        assert (
+            await store.admit(run(n), [per_minute(3, run(n))], now=NOW, lease_until=LEASE) is None
+        )
+    waiting = [run(n) for n in range(10, 17)]
+    for key in waiting:
+        refusal = await store.admit(key, [per_minute(3, key)], now=NOW, lease_until=LEASE)
+        assert refusal is not None
+    expected = [NOW + timedelta(minutes=1 + place // 3) for place in range(7)]
+    assert [wait.next_at for wait in await store.waiting()] == expected
+    assert [wait.run for wait in await store.waiting()] == waiting
+    # refused again, a run keeps its place: the runs that came after it stay behind it
+    again = await store.admit(waiting[4], [per_minute(3, waiting[4])], now=NOW, lease_until=LEASE)
+    assert again is not None
+    assert again.next_at == NOW + timedelta(minutes=2)
+    # at the next opening the first three go; the fourth is first in line for the minute after
+    opening = NOW + timedelta(minutes=1)
+    for key in waiting[:3]:
+        assert await store.admit(key, [per_minute(3, key)], now=opening, lease_until=LEASE) is None
+    later = await store.admit(
+        waiting[3], [per_minute(3, waiting[3])], now=opening, lease_until=LEASE
+    )
+    assert later is not None
+    assert later.next_at == NOW + timedelta(minutes=2)
+
+
 def tokens(key: RunKey) -> Check:
     return Check("work", "tokens_per", "work/tokens_per", parse_rate("100/1h"), str(key), 0)
 
