@@ -114,7 +114,8 @@ def settle(deployed: Deployment, dispatcher: RelayrProcess, timeout_s: float) ->
             if mtime != last:
                 last = mtime
                 beats.append(time.monotonic() - started)
-        caught_up = caught_up_in(dispatcher.log())
+        if caught_up is None:
+            caught_up = caught_up_in(dispatcher.log())
         if len(beats) >= BEATS_SETTLED and caught_up is not None:
             break
         time.sleep(0.05)

@@ -313,9 +313,8 @@ async def scenario(environment: dict[str, str]) -> None:
                 )
                 started, _ = await world.turns()
                 started_by_minute.append(started - sum(started_by_minute))
-                asked = [
-                    (at, thread) for at, thread in await world.asks() if now <= at < now + MINUTE
-                ]
+                asks = await world.asks()
+                asked = [(at, thread) for at, thread in asks if now <= at < now + MINUTE]
                 assert len(asked) <= PER_MINUTE, asked
                 # a turn asked for by the killed worker and never taken is started by the next
                 # worker's recovery (artifactr's): in this minute, though asked for before it
@@ -324,7 +323,7 @@ async def scenario(environment: dict[str, str]) -> None:
                 recovered = newly - {thread for _, thread in asked}
                 recovered_by_minute.append(len(recovered))
                 if recovered:
-                    earlier = {thread for at, thread in await world.asks() if at < now}
+                    earlier = {thread for at, thread in asks if at < now}
                     assert stage >= KILL_AT_STAGE, (stage, recovered)
                     assert recovered <= earlier, (stage, recovered)
                 if stage == 0:

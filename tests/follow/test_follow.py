@@ -125,16 +125,18 @@ async def test_what_people_write_starts_chains_of_its_own(world: World) -> None:
     assert posted.correlation_id == posted.id
 
 
+async def empty_queue() -> int:
+    """A broker queue that holds nothing."""
+    return 0
+
+
 async def test_the_dispatcher_follows_at_the_start_of_each_pass(world: World) -> None:
     thread = await world.thread()
     await world.publish(Asked(thread_id=thread, text="ping"))
     handle = await world.runtime.application.artifacts.open(TENANT, WORKSPACE, actor=PERSON)
     await handle.post_message(thread, "hello")
 
-    async def empty() -> int:
-        return 0
-
-    dispatcher = Dispatcher(world.runtime, queue_depth=empty)
+    dispatcher = Dispatcher(world.runtime, queue_depth=empty_queue)
     queue: list[RunMessage] = []
 
     async def enqueue(batch: RunMessage) -> None:
@@ -330,10 +332,6 @@ async def test_one_follower_per_workspace_at_a_time(world: World) -> None:
 
 
 # ─── what a pass costs ────────────────────────────────────────────────────────
-
-
-async def empty_queue() -> int:
-    return 0
 
 
 async def ignore(batch: RunMessage) -> None:
