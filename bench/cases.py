@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Final, Literal
 
 from artifactr.core import CreateThread
@@ -34,7 +35,7 @@ from bench.common import (
 )
 from bench.figures import Probe, count_outcomes, profile_summary, round_figures
 from bench.stamps import NoticeWatch
-from bench.workers import RelayrProcess, relayr_environment, start_worker
+from bench.workers import ALLOWLIST, RelayrProcess, relayr_environment, start_worker
 from relayr.core.run_messages import RunMessage
 from relayr.demo import CLI_USER, DEPLOYS_PER_THREAD
 from relayr.dispatch.changes import Changes
@@ -73,6 +74,8 @@ class Case:
     follow: bool = True
     """Whether the dispatcher follows artifactr's log back into reflexr (relayr's default), as
     it does in production; False measures the outbound path alone."""
+    limits: str = ""
+    """``[limits.NAME]`` entries added to the example's allowlist (none: no limit binds)."""
 
     @property
     def rounds(self) -> tuple[int, ...]:
@@ -83,6 +86,7 @@ class Case:
         return (
             f"{self.storage}-n{self.n}-w{self.workers}{self.worker_mode[0]}-"
             f"ws{self.workspaces}-{self.ordering}{'' if self.follow else '-nofollow'}"
+            f"{'-limited' if self.limits else ''}"
         )
 
 
@@ -243,6 +247,16 @@ async def drive(
             await runtime.aclose()
 
 
+def _allowlist(home: Path, limits: str) -> dict[str, Path]:
+    """The example's allowlist with ``limits`` added, as a ``Settings`` override (none if no
+    limit is added: the example's own file)."""
+    if not limits:
+        return {}
+    path = home / "allowlist.toml"
+    path.write_text(f"{ALLOWLIST.read_text()}\n{limits}\n")
+    return {"allowlist": path}
+
+
 def run_case(case: Case, *, keep: bool = False) -> list[dict[str, Any]]:
     """Run one case on a storage of its own, with fresh workers; one figures dict per round."""
     home = fresh_home(case.label)
@@ -255,6 +269,7 @@ def run_case(case: Case, *, keep: bool = False) -> list[dict[str, Any]]:
         with case_storage(case.storage) as storage:
             environment = relayr_environment(
                 home,
+                **_allowlist(home, case.limits),
                 app=APPS[case.ordering],
                 dispatch_interval_s=case.dispatch_interval_s,
                 **storage.overrides,

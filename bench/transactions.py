@@ -15,19 +15,38 @@ process's start (migrations, recovery) is left out.
 - ``all_counted``: ``per_notice_run`` plus ``dispatch_per_run``, the figure the target judges
   (:data:`bench.targets.TRANSACTIONS_PER_NOTICE_RUN`: at most 4), and ``met``;
 - the workers' ``rollback`` count: transactions that ended without a commit (reads).
+
+``--limit`` measures the same case with a limit that binds every rule and never refuses
+(:data:`LIMITS`): the figures less those of ``--limit none`` are what a limit costs a run.
 """
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from bench.cases import Case, run_case
 from bench.common import STORAGES, emit, quiet_logging, storage_available
 from bench.targets import TRANSACTIONS_PER_NOTICE_RUN, all_counted
 
+LIMITS: Final = {
+    "none": "",
+    "runs_in_flight": '[limits.bench]\nrules = ["*"]\nruns_in_flight = 100000',
+    "chain_runs_per": '[limits.bench]\nrules = ["*"]\nchain_runs_per = "100000/1h"',
+}
+"""Limits on every rule, too high to refuse a run: an in-flight slot (taken and given back)
+and a window's use (taken)."""
 
-def measure(storage: str, n: int, workers: int = 1) -> dict[str, Any]:
-    case = Case(storage=storage, n=n, workers=workers)  # type: ignore[arg-type]
+
+def measure(
+    storage: str, n: int, workers: int = 1, limit: str = "none", rate: float | None = None
+) -> dict[str, Any]:
+    case = Case(
+        storage=storage,  # type: ignore[arg-type]
+        n=n,
+        workers=workers,
+        limits=LIMITS[limit],
+        rate=rate,
+    )
     (figures,) = run_case(case)
     counted = figures["transactions"]
     everything = all_counted(counted)
@@ -36,6 +55,8 @@ def measure(storage: str, n: int, workers: int = 1) -> dict[str, Any]:
         "storage": storage,
         "n": n,
         "worker_processes": workers,
+        "limit": limit,
+        "rate": rate,
         "per_notice_run": counted["notice_run_with_publish"],
         "all_counted": everything,
         "all_counted_target": TRANSACTIONS_PER_NOTICE_RUN,
@@ -64,13 +85,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]
     )
+    parser.add_argument("--limit", nargs="+", choices=list(LIMITS), default=["none"])
+    parser.add_argument(
+        "--rate", type=float, default=None, help="events a second (default: all at once)"
+    )
     args = parser.parse_args(argv)
     quiet_logging()
     for storage in args.storage:
         if not storage_available(storage):
             emit({"bench": "transactions", "storage": storage, "skipped": "a service is down"})
             continue
-        emit(measure(storage, args.n, args.workers))
+        for limit in args.limit:
+            emit(measure(storage, args.n, args.workers, limit, args.rate))
 
 
 if __name__ == "__main__":

@@ -181,8 +181,7 @@ class Batch:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             await self._release(self.held - self.succeeded)
-            for run_id in sorted(self.bound):  # attempts cut short: their slots go back
-                await self._unbind(run_id)
+            await self._unbind(dict.fromkeys(self.bound))  # attempts cut short: slots go back
             self.runtime.executing.difference_update(self.here)
             for span in self.spans.values():  # cancelled with their message: nothing recorded
                 telemetry.end(span, {telemetry.OUTCOME: "interrupted"})
@@ -247,9 +246,9 @@ class Batch:
         await self._release(
             run_id for run_id, claim in claims.items() if isinstance(claim, Executed)
         )
-        for run_id, claim in claims.items():
-            if isinstance(claim, Executed):
-                await self._unbind(run_id)
+        await self._unbind(
+            {run_id: None for run_id, claim in claims.items() if isinstance(claim, Executed)}
+        )
         return started
 
     def _start(self, claimed: Claimed, running: dict[asyncio.Task[Ended], _Running]) -> None:
@@ -348,6 +347,7 @@ class Batch:
             writes: list[LedgerWrites] = []
             began: dict[str, float] = {}
             reactions: dict[str, Reaction[Any] | None] = {}
+            interrupted: dict[str, Reaction[Any] | None] = {}
             for task in done:
                 entry = running.pop(task)
                 reactions[entry.claimed.run.id] = entry.reaction
@@ -367,7 +367,7 @@ class Batch:
                         ),
                         seconds=perf_counter() - entry.began,
                     )
-                    await self._unbind(run.id, entry.reaction)
+                    interrupted[run.id] = entry.reaction
                     continue
                 successor = await self._successor(entry.claimed)
                 finished.append(Finished(entry.claimed, ended, successor))
@@ -376,11 +376,12 @@ class Batch:
             if not finished:
                 if merged:
                     await self._write_left(merged)
+                await self._unbind(interrupted)
                 continue
-            completion = await self._complete(finished, merged)
+            completion = await self._complete(finished, merged, reactions)
             for run_id, outcome in completion.executed.items():
                 self._ended(run_id, outcome, seconds=perf_counter() - began[run_id])
-                await self._unbind(run_id, reactions.get(run_id))
+            await self._unbind(interrupted)
             for run_id, outcome in completion.abandoned.items():
                 self._ended(run_id, outcome)
             claimed_next = {claimed.run.id for claimed in completion.started}
@@ -389,12 +390,23 @@ class Batch:
             for claimed in completion.started:
                 self._start(claimed, running)
 
-    async def _complete(self, finished: list[Finished], writes: LedgerWrites) -> Completion:
-        """Record the group's outcomes with the ledger rows its actions left.
+    async def _complete(
+        self,
+        finished: list[Finished],
+        writes: LedgerWrites,
+        reactions: Mapping[str, Reaction[Any] | None],
+    ) -> Completion:
+        """Record the group's outcomes with the ledger rows its actions left, and give back
+        what their attempts held under limits, in the same transaction.
 
         If that fails for good, the rows are written once more on their own: the writes they
         describe are in artifactr whatever becomes of the completion.
         """
+        held = {
+            run_id: started_turns(reactions.get(run_id))
+            for run_id in (done.claimed.run.id for done in finished)
+            if run_id in self.bound
+        }
         ledger = self.runtime.bridge.ledger
         tries: HiddenCommits[Completion] = HiddenCommits()
 
@@ -406,7 +418,10 @@ class Batch:
 
         try:
             with telemetry.span("relayr.complete", {telemetry.RUNS: len(finished)}):
-                return await retried(step)
+                async with self.limiter.releasing(self.ref, held):
+                    completion = await retried(step)
+            self.bound.difference_update(held)
+            return completion
         finally:
             if writes and not writes.committed:
                 await self._write_left(writes, once=True)
@@ -452,12 +467,17 @@ class Batch:
             self.here.discard(here)
             self.runtime.executing.discard(here)
 
-    async def _unbind(self, run_id: str, reaction: Reaction[Any] | None = None) -> None:
-        """Give back what the run's attempt held under its limits (a turn its message started
-        keeps its slot until it ends: :meth:`relayr.execution.limiting.Limiter.release`)."""
-        if run_id in self.bound:
-            self.bound.discard(run_id)
-            await self.limiter.release(self.ref, run_id, sent=started_turns(reaction))
+    async def _unbind(self, runs: Mapping[str, Reaction[Any] | None]) -> None:
+        """Give back, in one transaction, what the runs' attempts held under their limits (a
+        turn a message started keeps its slot until it ends:
+        :meth:`relayr.execution.limiting.Limiter.release`)."""
+        bound = {
+            run_id: started_turns(reaction)
+            for run_id, reaction in runs.items()
+            if run_id in self.bound
+        }
+        self.bound.difference_update(bound)
+        await self.limiter.release(self.ref, bound)
 
     def _ended(self, run_id: str, executed: Executed, *, seconds: float | None = None) -> None:
         self.results[run_id] = replace(executed, run_id=run_id)

@@ -1,19 +1,22 @@
 """The operators' limits, applied where a run is claimed: a run over a limit waits.
 
-Before its claim, a leased run that is due is checked against every limit that binds it
-(:mod:`relayr.core.limits`), in one transaction of the limit store
-(:mod:`relayr.ledger.limits`), which also takes what the run uses. A run refused is not
+Before their claim, a message's leased runs that are due are checked against every limit that
+binds them (:mod:`relayr.core.limits`) by the limit store (:mod:`relayr.ledger.limits`), which
+also takes what each run uses, in the transaction that reads them; what an attempt held in
+flight is given back in the transaction that records its outcome. A run refused is not
 attempted: in reflexr's store it stays ``pending`` (or ``retrying``), its due time moved to when
-the limit expects to allow it (a window's next opening), or to a lease away for a limit on what
-is in flight, which the run that frees a slot brings forward by waking the runs waiting on it.
-So a run over a limit never fails for it, never runs twice (the claim decides, as ever) and is
-never lost (it stays due in the store). The ADR "limits on what rules spend" says why.
+the limit expects to allow it, or to a lease away for a limit on what is in flight, which the
+run that frees a slot brings forward by waking the runs waiting on it. So a run over a limit
+never fails for it, never runs twice (the claim decides, as ever) and is never lost (it stays
+due in the store). The ADRs "limits on what rules spend" and "a limit rides the transactions a
+run already has" say why.
 
 Nothing here runs for an application whose allowlist has no limit.
 """
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Final
@@ -27,7 +30,7 @@ from reflexr.workspace import WorkspaceRef, Workspaces
 from relayr.core.allowlist import Allowlists
 from relayr.core.ids import derive_id
 from relayr.core.limits import TURN_KINDS, Limit, LimitKind, Rate
-from relayr.ledger.limits import Check, LimitStore, Refusal, RunKey
+from relayr.ledger.limits import Admission, Check, LimitStore, Refusal, Release, RunKey
 from relayr.ledger.port import Cause, WorkspaceKey
 from relayr.observe import hooks
 from relayr.runtime.bridge import Bridge
@@ -83,45 +86,46 @@ class Limiter:
         return bool(self.allowlists().limits_for(rule, ref.tenant_id, ref.workspace_id))
 
     async def admit(self, ref: WorkspaceRef, run_ids: Sequence[str]) -> "Admitted":
-        """Check each run: those refused are deferred in the store (and said why); those
-        admitted under a limit hold its slots until :meth:`release`."""
-        allowlists = self.allowlists()
-        admitted = Admitted()
-        refused = admitted.refused
-        for run_id in run_ids:
-            refusal = await self._admit_one(allowlists, ref, run_id, admitted)
-            if refusal is not None:
-                refused[run_id] = refusal
-        return admitted
-
-    async def _admit_one(
-        self, allowlists: Allowlists, ref: WorkspaceRef, run_id: str, admitted: "Admitted"
-    ) -> str | None:
-        run = await retried(lambda: self.rules.storage.run(ref, run_id))
+        """Check the runs against their limits, in the transaction that reads them (the limit
+        store's statements ride its commit). Those refused are deferred (in one transaction)
+        and said why; those admitted under a limit on what is in flight hold its slots until
+        :meth:`releasing`."""
         now = self.rules.clock()
-        if run is None or run.status not in WAITING:
-            return None  # the claim says what it is; nothing starts, nothing to count
-        checks = checks_for(allowlists, ref, run)
-        if not checks:
-            return None
-        if run.next_attempt_at > now:
-            # not due as the limits see it: left alone, so the claim, a moment later, cannot
-            # start it unchecked (the claim reads the clock again); its due time brings it back
-            admitted.not_due[run.id] = f"is due at {run.next_attempt_at.isoformat()}"
-            return None
-        key = RunKey(ref.tenant_id, ref.workspace_id, run.id)
-        refusal = await retried(
-            lambda: self.store.admit(key, checks, now=now, lease_until=now + self.lease_ttl)
-        )
-        if refusal is None:
-            if any(isinstance(check.bound, int) for check in checks):
-                admitted.bound.add(run.id)  # it holds slots until its attempt is done
-            return None
-        await self._defer(ref, run.id, refusal, now)
-        self._hit(run, refusal, now)
-        if refusal.check.kind == "chain_runs_per":
-            await self._chain_notice(ref, run, refusal)
-        return refusal.describe()
+        admission = Admission(now, now + self.lease_ttl)
+        admitted = Admitted()
+        by_key: dict[RunKey, Run] = {}
+
+        async def read_and_admit() -> None:
+            allowlists = self.allowlists()
+            admission.asked.clear()
+            admitted.not_due.clear()
+            async with (
+                self.store.admitting(admission),
+                self.rules.storage.transaction(ref) as transaction,
+            ):
+                for run_id in run_ids:
+                    run = await transaction.run(run_id)
+                    if run is not None and run.status in WAITING:
+                        key = RunKey(ref.tenant_id, ref.workspace_id, run.id)
+                        by_key[key] = run
+                        _ask(admission, admitted, key, run, checks_for(allowlists, ref, run))
+
+        await retried(read_and_admit)
+        refusals = admission.refused
+        admitted.bound.update(
+            key.run_id
+            for key, checks in admission.asked.items()
+            if key not in refusals and any(isinstance(check.bound, int) for check in checks)
+        )  # they hold slots until their attempts are done
+        if refusals:
+            await self._defer(ref, refusals, now)
+        for key, refusal in refusals.items():
+            run = by_key[key]
+            admitted.refused[run.id] = refusal.describe()
+            self._hit(run, refusal, now)
+            if refusal.check.kind == "chain_runs_per":
+                await self._chain_notice(ref, run, refusal)
+        return admitted
 
     async def _chain_notice(self, ref: WorkspaceRef, run: Run, refusal: Refusal) -> None:
         """Say once, in the thread of the event that made the run's rule fire, that its chain
@@ -139,18 +143,28 @@ class Limiter:
         except Exception:
             logger.warning("the chain's notice could not be posted", run_id=run.id, exc_info=True)
 
-    async def _defer(self, ref: WorkspaceRef, run_id: str, refusal: Refusal, now: datetime) -> None:
-        """Move the waiting run's due time: a window's next opening, else a lease away (the
-        safety net of a wake that never comes, as from a worker that died holding a slot)."""
-        until = refusal.next_at if refusal.next_at is not None else now + self.lease_ttl
+    async def _defer(
+        self, ref: WorkspaceRef, refusals: Mapping[RunKey, Refusal], now: datetime
+    ) -> None:
+        """Move the waiting runs' due times, in one transaction: to when each refusal expects
+        it to go, else a lease away (the safety net of a wake that never comes, as from a
+        worker that died holding a slot)."""
+        until = {
+            key.run_id: refusal.next_at if refusal.next_at is not None else now + self.lease_ttl
+            for key, refusal in refusals.items()
+        }
 
         async def defer() -> None:
             async with self.rules.storage.transaction(ref) as transaction:
-                run = await transaction.run(run_id)
-                if run is not None and run.status in WAITING and run.next_attempt_at < until:
-                    await transaction.save_runs(
-                        [run.model_copy(update={"next_attempt_at": until, "updated_at": now})]
-                    )
+                moved: list[Run] = []
+                for run_id, at in until.items():
+                    run = await transaction.run(run_id)
+                    if run is not None and run.status in WAITING and run.next_attempt_at < at:
+                        moved.append(
+                            run.model_copy(update={"next_attempt_at": at, "updated_at": now})
+                        )
+                if moved:
+                    await transaction.save_runs(moved)
 
         await retried(defer)
 
@@ -170,25 +184,40 @@ class Limiter:
                 next_at=None if refusal.next_at is None else refusal.next_at.isoformat(),
             )
 
-    async def release(self, ref: WorkspaceRef, run_id: str, *, sent: bool = False) -> None:
-        """Free what the run's attempt held in flight, and wake the runs waiting on those
-        limits. When the attempt sent a message that starts a turn, its ``turns_in_flight``
-        slot is kept until the turn ends (:meth:`LimitStore.turn_ended`, as the followers see
-        it), under a lease of :data:`TURN_SLOT_TTL` in case its end is never seen."""
-        key = RunKey(ref.tenant_id, ref.workspace_id, run_id)
+    async def release(self, ref: WorkspaceRef, runs: Mapping[str, bool]) -> None:
+        """:meth:`releasing`, in a transaction of its own (attempts that recorded nothing)."""
+        async with self.releasing(ref, runs):
+            pass
+
+    @asynccontextmanager
+    async def releasing(self, ref: WorkspaceRef, runs: Mapping[str, bool]) -> AsyncIterator[None]:
+        """Free what the runs' attempts held in flight with the block's storage transaction
+        (the completion that records their outcomes), and wake the runs waiting on those
+        limits after it. ``runs`` says whether each attempt sent a message that starts a turn:
+        its ``turns_in_flight`` slot is kept until the turn ends (:meth:`LimitStore.turn_ended`,
+        as the followers see it), under a lease of :data:`TURN_SLOT_TTL` in case its end is
+        never seen. A block that raised frees nothing: the caller still holds the slots."""
+        if not runs:
+            yield
+            return
+        until = self.rules.clock() + TURN_SLOT_TTL
+        release = Release(
+            {
+                RunKey(ref.tenant_id, ref.workspace_id, run_id): until if sent else None
+                for run_id, sent in runs.items()
+            }
+        )
+        raised = True
         try:
-            if sent:
-                until = self.rules.clock() + TURN_SLOT_TTL
-                await retried(
-                    lambda: self.store.renew(key, lease_until=until, kinds=("turns_in_flight",))
-                )
-                woken = await retried(lambda: self.store.release(key, kinds=("runs_in_flight",)))
-            else:
-                woken = await retried(lambda: self.store.release(key))
-            await self.wake(woken)
-        except Exception:  # the slot's lease lapses: the waiters go then
-            logger.exception(
-                "releasing a run's limits failed; its lease will free them", run_id=run_id
+            async with self.store.releasing(release):
+                yield
+                raised = False
+            await self.wake(release.woken)
+        except Exception:
+            if raised:
+                raise
+            logger.exception(  # the slots' leases lapse: the waiters go then
+                "releasing runs' limits failed; their leases will free them", runs=sorted(runs)
             )
 
     async def renew(self, ref: WorkspaceRef, run_id: str) -> None:
@@ -245,6 +274,21 @@ async def post_chain_notice(
         message_id=message_id,
     )
     return True
+
+
+def _ask(
+    admission: Admission, admitted: Admitted, key: RunKey, run: Run, checks: list[Check]
+) -> None:
+    """Ask to admit a waiting run its limits bind, if it is due. One that is not due as the
+    limits see it is left alone, so the claim, a moment later, cannot start it unchecked (the
+    claim reads the clock again): its due time brings it back. Another run starts nothing and
+    counts nothing: the claim says what it is."""
+    if not checks:
+        return
+    if run.next_attempt_at > admission.now:
+        admitted.not_due[run.id] = f"is due at {run.next_attempt_at.isoformat()}"
+    else:
+        admission.asked[key] = checks
 
 
 def checks_for(allowlists: Allowlists, ref: WorkspaceRef, run: Run) -> list[Check]:

@@ -1,13 +1,15 @@
 """The counts behind the operators' limits, shared by every worker: in SQL or in memory.
 
-:meth:`LimitStore.admit` checks every limit that binds a run and, only if all allow it, takes
-what the run uses (an in-flight slot under a lease, or a use of a window) in one transaction; a
-run refused is recorded as waiting, with its limit and when it expects to go. Two admissions
-into one limit never interleave (row locks on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite;
-ADR-0106). The SQLite engine has one connection: never call the store while holding it.
+:meth:`LimitStore.admit_all` checks every limit that binds each of a message's runs and, only
+if all allow a run, takes what it uses (an in-flight slot under a lease, or a use of a window),
+in one transaction for the message; a run refused is recorded as waiting, with its limit and
+when it expects to go. :meth:`LimitStore.release_all` gives back a group's slots in one.
+Two admissions into one limit never interleave (row locks on PostgreSQL, ``BEGIN IMMEDIATE`` on
+SQLite; ADR-0106). The SQLite engine has one connection: never call the store while holding it.
 """
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -15,19 +17,22 @@ from typing import Any, Protocol
 from sqlalchemy import (
     BigInteger,
     Column,
+    Connection,
     DateTime,
     Integer,
     MetaData,
     Table,
     Text,
     UniqueConstraint,
+    and_,
     delete,
     func,
     select,
     tuple_,
     update,
 )
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.sql.elements import ColumnElement
 
 from relayr.core.limits import (
     MAX_WINDOW,
@@ -38,6 +43,7 @@ from relayr.core.limits import (
     window_admits,
 )
 from relayr.ledger.sql import SqlStore
+from relayr.ledger.with_the_write import riding
 
 
 @dataclass(frozen=True, order=True)
@@ -123,19 +129,62 @@ class Use:
     waiting: int
 
 
+@dataclass
+class Admission:
+    """Runs to admit with a storage transaction (:meth:`LimitStore.admitting`): ``asked`` is
+    set in it, before it commits; ``refused`` is the decision after the block."""
+
+    now: datetime
+    lease_until: datetime
+    asked: dict[RunKey, Sequence[Check]] = field(default_factory=dict)
+    refused: dict[RunKey, Refusal] = field(default_factory=dict)
+
+
+@dataclass
+class Release:
+    """Slots to give back with a storage transaction (:meth:`LimitStore.releasing`), as
+    :meth:`LimitStore.release_all` takes them; ``woken`` is its answer after the block."""
+
+    held: Mapping[RunKey, datetime | None]
+    woken: list[RunKey] = field(default_factory=list)
+
+
 class LimitStore(Protocol):
     """The counts behind the limits; every call is atomic across every process."""
+
+    def admitting(self, admission: Admission) -> AbstractAsyncContextManager[None]:
+        """Decide ``admission`` (:meth:`admit_all`) in the block's first commit on the store's
+        engine: in the storage's own transaction, when the two share their engine (relayr's
+        wiring); else in a transaction of its own after a block that raised nothing."""
+        ...
+
+    def releasing(self, release: Release) -> AbstractAsyncContextManager[None]:
+        """Give back ``release`` (:meth:`release_all`) as :meth:`admitting` decides."""
+        ...
+
+    async def admit_all(
+        self, runs: Mapping[RunKey, Sequence[Check]], *, now: datetime, lease_until: datetime
+    ) -> dict[RunKey, Refusal]:
+        """For each run in turn, take what it uses if every check allows it, else nothing (its
+        refusal, and the run is recorded as waiting). Admitting an attempt again takes nothing
+        more. One transaction: a run is checked with the uses of the runs before it."""
+        ...
 
     async def admit(
         self, run: RunKey, checks: Sequence[Check], *, now: datetime, lease_until: datetime
     ) -> Refusal | None:
-        """Take what the run uses if every check allows it (None), else nothing (a refusal,
-        and the run is recorded as waiting). Admitting an attempt again takes nothing more."""
+        """:meth:`admit_all` for one run: its refusal, or None."""
         ...
 
     async def release(self, run: RunKey, *, kinds: Sequence[LimitKind] = ()) -> list[RunKey]:
         """Free the run's in-flight slots (of ``kinds``, or all); return the runs waiting on
         their buckets, oldest first."""
+        ...
+
+    async def release_all(self, runs: Mapping[RunKey, datetime | None]) -> list[RunKey]:
+        """Free the runs' in-flight slots in one transaction; a run mapped to a time keeps its
+        ``turns_in_flight`` slots until then (its attempt started a turn, whose end frees
+        them). Return the runs waiting on the freed buckets, oldest first."""
         ...
 
     async def renew(
@@ -167,11 +216,42 @@ class LimitStore(Protocol):
     async def aclose(self) -> None: ...
 
 
+class _AdmitsOne:
+    """:meth:`LimitStore.admit`, from the store's ``admit_all``."""
+
+    async def admit_all(
+        self, runs: Mapping[RunKey, Sequence[Check]], *, now: datetime, lease_until: datetime
+    ) -> dict[RunKey, Refusal]:
+        raise NotImplementedError
+
+    async def release_all(self, runs: Mapping[RunKey, datetime | None]) -> list[RunKey]:
+        raise NotImplementedError
+
+    @asynccontextmanager
+    async def admitting(self, admission: Admission) -> AsyncIterator[None]:
+        """After the block, in a call of its own (a store with no engine to ride)."""
+        yield
+        admission.refused = await self.admit_all(
+            admission.asked, now=admission.now, lease_until=admission.lease_until
+        )
+
+    @asynccontextmanager
+    async def releasing(self, release: Release) -> AsyncIterator[None]:
+        yield
+        release.woken = await self.release_all(release.held)
+
+    async def admit(
+        self, run: RunKey, checks: Sequence[Check], *, now: datetime, lease_until: datetime
+    ) -> Refusal | None:
+        refused = await self.admit_all({run: checks}, now=now, lease_until=lease_until)
+        return refused.get(run)
+
+
 # --- in memory -----------------------------------------------------------------------------
 
 
 @dataclass
-class InMemoryLimitStore:
+class InMemoryLimitStore(_AdmitsOne):
     """The store's contract in one process's memory (tests, and the in-memory application)."""
 
     slots: dict[tuple[str, RunKey], tuple[LimitKind, datetime]] = field(default_factory=dict)
@@ -193,8 +273,18 @@ class InMemoryLimitStore:
             if used_bucket == bucket
         )
 
-    async def admit(
-        self, run: RunKey, checks: Sequence[Check], *, now: datetime, lease_until: datetime
+    async def admit_all(
+        self, runs: Mapping[RunKey, Sequence[Check]], *, now: datetime, lease_until: datetime
+    ) -> dict[RunKey, Refusal]:
+        refused: dict[RunKey, Refusal] = {}
+        for run, checks in runs.items():
+            refusal = self._admit(run, checks, now, lease_until)
+            if refusal is not None:
+                refused[run] = refusal
+        return refused
+
+    def _admit(
+        self, run: RunKey, checks: Sequence[Check], now: datetime, lease_until: datetime
     ) -> Refusal | None:
         for check in checks:
             refusal = self._refusal(run, check, now)
@@ -248,6 +338,19 @@ class InMemoryLimitStore:
         }
         for bucket in freed:
             del self.slots[(bucket, run)]
+        return self._waiting_on({bucket.rsplit("/", 1)[0] for bucket in freed})
+
+    async def release_all(self, runs: Mapping[RunKey, datetime | None]) -> list[RunKey]:
+        freed: set[str] = set()
+        for (bucket, holder), (kind, _) in list(self.slots.items()):
+            if holder not in runs:
+                continue
+            kept = runs[holder]
+            if kept is not None and kind == "turns_in_flight":
+                self.slots[(bucket, holder)] = (kind, kept)
+            else:
+                del self.slots[(bucket, holder)]
+                freed.add(bucket)
         return self._waiting_on({bucket.rsplit("/", 1)[0] for bucket in freed})
 
     def _waiting_on(self, limits: set[str]) -> list[RunKey]:
@@ -308,6 +411,18 @@ def _with_waiting(buckets: dict[str, "Use"], waits: Any) -> list[Use]:
 
 # --- SQL -----------------------------------------------------------------------------------
 
+
+@dataclass
+class _Carried:
+    """Work on the connection of the storage's commit (:func:`riding`)."""
+
+    work: Callable[[Connection], None]
+    committed: bool = False
+
+    def carry(self, connection: Connection) -> None:
+        self.work(connection)
+
+
 metadata = MetaData()
 
 locks_table = Table(
@@ -356,89 +471,136 @@ waits_table = Table(
 )
 
 
-class SqlLimitStore(SqlStore):
+class SqlLimitStore(_AdmitsOne, SqlStore):
     """The limits' counts in SQLite or PostgreSQL (see the module)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         super().__init__(engine, refusal="the limits keep their counts")
 
-    async def admit(
-        self, run: RunKey, checks: Sequence[Check], *, now: datetime, lease_until: datetime
+    async def admit_all(
+        self, runs: Mapping[RunKey, Sequence[Check]], *, now: datetime, lease_until: datetime
+    ) -> dict[RunKey, Refusal]:
+        if not runs:
+            return {}
+        async with self._transaction() as connection:
+            return await connection.run_sync(self._admit_all, runs, now, lease_until)
+
+    @asynccontextmanager
+    async def admitting(self, admission: Admission) -> AsyncIterator[None]:
+        await self._ensure_tables()
+
+        def decide(connection: Connection) -> None:
+            admission.refused = self._admit_all(
+                connection, admission.asked, admission.now, admission.lease_until
+            )
+
+        rider = _Carried(decide)
+        with riding(self._engine.sync_engine, "limits", rider):
+            yield
+        if not rider.committed:
+            admission.refused = await self.admit_all(
+                admission.asked, now=admission.now, lease_until=admission.lease_until
+            )
+
+    def _admit_all(
+        self,
+        connection: Connection,
+        runs: Mapping[RunKey, Sequence[Check]],
+        now: datetime,
+        lease_until: datetime,
+    ) -> dict[RunKey, Refusal]:
+        refused: dict[RunKey, Refusal] = {}
+        if not runs:
+            return refused
+        self._lock(
+            connection, sorted({check.bucket for checks in runs.values() for check in checks})
+        )
+        for run, checks in runs.items():
+            refusal = self._admit(connection, run, checks, now, lease_until)
+            if refusal is not None:
+                refused[run] = refusal
+        connection.execute(delete(uses_table).where(uses_table.c.at < now - MAX_WINDOW))
+        return refused
+
+    def _admit(
+        self,
+        connection: Connection,
+        run: RunKey,
+        checks: Sequence[Check],
+        now: datetime,
+        lease_until: datetime,
     ) -> Refusal | None:
         holder = str(run)
-        async with self._transaction() as connection:
-            await self._lock(connection, sorted({check.bucket for check in checks}))
-            for check in checks:
-                refusal = await self._refusal(connection, run, check, now)
-                if refusal is not None:
-                    await self._wait(connection, run, refusal, now)
-                    return refusal
-            for check in checks:
-                if isinstance(check.bound, int):
-                    statement = self._insert(slots_table).values(
-                        bucket=check.bucket, holder=holder, kind=check.kind, expires_at=lease_until
+        for check in checks:
+            refusal = self._refusal(connection, run, check, now)
+            if refusal is not None:
+                self._wait(connection, run, refusal, now)
+                return refusal
+        for check in checks:
+            if isinstance(check.bound, int):
+                statement = self._insert(slots_table).values(
+                    bucket=check.bucket, holder=holder, kind=check.kind, expires_at=lease_until
+                )
+                connection.execute(
+                    statement.on_conflict_do_update(
+                        index_elements=["bucket", "holder"],
+                        set_={"expires_at": lease_until},
                     )
-                    await connection.execute(
-                        statement.on_conflict_do_update(
-                            index_elements=["bucket", "holder"],
-                            set_={"expires_at": lease_until},
-                        )
+                )
+            elif check.use is not None:
+                connection.execute(
+                    self._insert(uses_table)
+                    .values(
+                        bucket=check.bucket,
+                        use=check.use,
+                        kind=check.kind,
+                        at=now,
+                        amount=check.amount,
                     )
-                elif check.use is not None:
-                    await connection.execute(
-                        self._insert(uses_table)
-                        .values(
-                            bucket=check.bucket,
-                            use=check.use,
-                            kind=check.kind,
-                            at=now,
-                            amount=check.amount,
-                        )
-                        .on_conflict_do_nothing(index_elements=["bucket", "use"])
-                    )
-            await connection.execute(delete(waits_table).where(*_is_run(waits_table, run)))
-            await connection.execute(delete(uses_table).where(uses_table.c.at < now - MAX_WINDOW))
+                    .on_conflict_do_nothing(index_elements=["bucket", "use"])
+                )
+        connection.execute(delete(waits_table).where(*_is_run(waits_table, run)))
         return None
 
-    async def _lock(self, connection: AsyncConnection, buckets: Sequence[str]) -> None:
+    def _lock(self, connection: Connection, buckets: Sequence[str]) -> None:
         if not buckets:
             return
-        await connection.execute(
+        connection.execute(
             self._insert(locks_table)
             .values([{"bucket": bucket} for bucket in buckets])
             .on_conflict_do_nothing(index_elements=["bucket"])
         )
         if self._dialect == "postgresql":
-            await connection.execute(
+            connection.execute(
                 select(locks_table.c.bucket)
                 .where(locks_table.c.bucket.in_(buckets))
                 .order_by(locks_table.c.bucket)
                 .with_for_update()
             )
 
-    async def _refusal(
-        self, connection: AsyncConnection, run: RunKey, check: Check, now: datetime
+    def _refusal(
+        self, connection: Connection, run: RunKey, check: Check, now: datetime
     ) -> Refusal | None:
         holder = str(run)
         if isinstance(check.bound, int):
             slots = slots_table.c
-            mine = await connection.scalar(
+            mine = connection.scalar(
                 select(func.count()).where(slots.bucket == check.bucket, slots.holder == holder)
             )
             if mine:
                 return None
-            held = await connection.scalar(
+            held = connection.scalar(
                 select(func.count()).where(slots.bucket == check.bucket, slots.expires_at > now)
             )
             return None if (held or 0) < check.bound else Refusal(check, None)
         uses = uses_table.c
         if check.use is not None:
-            counted = await connection.scalar(
+            counted = connection.scalar(
                 select(func.count()).where(uses.bucket == check.bucket, uses.use == check.use)
             )
             if counted:
                 return None
-        rows = await connection.execute(
+        rows = connection.execute(
             select(uses.at, uses.amount)
             .where(uses.bucket == check.bucket, uses.at > now - check.bound.window)
             .order_by(uses.at)
@@ -448,27 +610,25 @@ class SqlLimitStore(SqlStore):
         if fits:
             return None
         if check.kind == "turns_per":
-            ahead = await self._ahead(connection, run, check)
+            ahead = self._ahead(connection, run, check)
             next_at = turn_in_window(used, check.bound, ahead, now)
         return Refusal(check, next_at)
 
-    async def _ahead(self, connection: AsyncConnection, run: RunKey, check: Check) -> int:
+    def _ahead(self, connection: Connection, run: RunKey, check: Check) -> int:
         """How many runs wait on the check's limit before ``run``: every one, if it did not
         wait yet; else those that first waited before it (the order :meth:`waiting` lists)."""
         waits = waits_table.c
         where = [waits.limit_name == check.limit, waits.kind == check.kind]
-        since = await connection.scalar(select(waits.since).where(*_is_run(waits_table, run)))
+        since = connection.scalar(select(waits.since).where(*_is_run(waits_table, run)))
         if since is not None:
             mine = (since, run.tenant_id, run.workspace_id, run.run_id)
             where.append(
                 tuple_(waits.since, waits.tenant_id, waits.workspace_id, waits.run_id)
                 < tuple_(*mine)
             )
-        return int(await connection.scalar(select(func.count()).where(*where)) or 0)
+        return int(connection.scalar(select(func.count()).where(*where)) or 0)
 
-    async def _wait(
-        self, connection: AsyncConnection, run: RunKey, refusal: Refusal, now: datetime
-    ) -> None:
+    def _wait(self, connection: Connection, run: RunKey, refusal: Refusal, now: datetime) -> None:
         check = refusal.check
         values = {
             "limit_name": check.limit,
@@ -483,7 +643,7 @@ class SqlLimitStore(SqlStore):
             since=now,
             **values,
         )
-        await connection.execute(
+        connection.execute(
             statement.on_conflict_do_update(
                 index_elements=["tenant_id", "workspace_id", "run_id"], set_=values
             )
@@ -495,19 +655,61 @@ class SqlLimitStore(SqlStore):
         if kinds:
             where.append(slots.kind.in_(kinds))
         async with self._transaction() as connection:
-            freed = (
-                await connection.execute(delete(slots_table).where(*where).returning(slots.bucket))
-            ).all()
-            limits = sorted({bucket.rsplit("/", 1)[0] for (bucket,) in freed})
-            if not limits:
-                return []
-            waits = waits_table.c
-            rows = await connection.execute(
-                select(waits.tenant_id, waits.workspace_id, waits.run_id)
-                .where(waits.limit_name.in_(limits))
-                .order_by(waits.since, waits.tenant_id, waits.workspace_id, waits.run_id)
+            return await connection.run_sync(self._free, where)
+
+    async def release_all(self, runs: Mapping[RunKey, datetime | None]) -> list[RunKey]:
+        if not runs:
+            return []
+        async with self._transaction() as connection:
+            return await connection.run_sync(self._release_all, runs)
+
+    @asynccontextmanager
+    async def releasing(self, release: Release) -> AsyncIterator[None]:
+        await self._ensure_tables()
+
+        def free(connection: Connection) -> None:
+            release.woken = self._release_all(connection, release.held)
+
+        rider = _Carried(free)
+        with riding(self._engine.sync_engine, "limits", rider):
+            yield
+        if not rider.committed:
+            release.woken = await self.release_all(release.held)
+
+    def _release_all(
+        self, connection: Connection, runs: Mapping[RunKey, datetime | None]
+    ) -> list[RunKey]:
+        if not runs:
+            return []
+        slots = slots_table.c
+        kept = {str(run): until for run, until in runs.items() if until is not None}
+        for holder, until in kept.items():
+            connection.execute(
+                update(slots_table)
+                .where(slots.holder == holder, slots.kind == "turns_in_flight")
+                .values(expires_at=until)
             )
-            return [RunKey(*row) for row in rows.all()]
+        where: list[ColumnElement[bool]] = [slots.holder.in_([str(run) for run in runs])]
+        if kept:
+            where.append(~and_(slots.holder.in_(kept), slots.kind == "turns_in_flight"))
+        return self._free(connection, where)
+
+    def _free(self, connection: Connection, where: Sequence[Any]) -> list[RunKey]:
+        """Delete the slots ``where`` says; the runs waiting on their limits, oldest first."""
+        slots = slots_table.c
+        freed = (
+            connection.execute(delete(slots_table).where(*where).returning(slots.bucket))
+        ).all()
+        limits = sorted({bucket.rsplit("/", 1)[0] for (bucket,) in freed})
+        if not limits:
+            return []
+        waits = waits_table.c
+        rows = connection.execute(
+            select(waits.tenant_id, waits.workspace_id, waits.run_id)
+            .where(waits.limit_name.in_(limits))
+            .order_by(waits.since, waits.tenant_id, waits.workspace_id, waits.run_id)
+        )
+        return [RunKey(*row) for row in rows.all()]
 
     async def renew(
         self, run: RunKey, *, lease_until: datetime, kinds: Sequence[LimitKind] = ()

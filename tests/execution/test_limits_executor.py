@@ -5,6 +5,7 @@ it opens on the same database, a clock the test moves, and runs made as the disp
 them (tests/executor_harness.py). Nothing sleeps: gates say when an action runs.
 """
 
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -14,6 +15,7 @@ from typing import Self
 import pytest
 from artifactr import Workspaces as ArtifactWorkspaces
 from reflexr.workspace import Workspaces as RuleWorkspaces
+from sqlalchemy import event
 
 from relayr.core.allowlist import Allowlists
 from relayr.core.allowlist_toml import parse_allowlist
@@ -23,6 +25,7 @@ from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.builders import Gates
 from tests.executor_harness import TENANT, WORKSPACE, Asked, Harness, database_url
+from tests.services import SQL_STORAGES
 
 __all__ = ["database_url"]
 
@@ -198,3 +201,43 @@ async def test_raising_a_limit_lets_the_next_claim_go(
         )
         await limiter.wake([RunKey(TENANT, WORKSPACE, runs[2])])
         assert (await harness.execute(runs[2])).outcome == "succeeded"
+
+
+BOTH_KINDS = """
+[rules."exec:work"]
+turns = true
+
+[limits.work]
+rules = ["exec:work"]
+runs_in_flight = 5
+turns_per = "100/1h"
+"""
+
+
+@pytest.mark.parametrize("database_url", SQL_STORAGES, indirect=True)
+async def test_a_limited_run_costs_one_sql_transaction_more_than_an_unlimited_one(
+    limited: Callable[[str], AsyncIterator[Limited]],
+) -> None:
+    """The admission rides the transaction that reads the runs, the slot's release the one
+    that records the outcome: only that read is a transaction more."""
+    begun = Counter[str]()
+
+    async def transactions(harness: Limited, run_id: str) -> int:
+        before = begun["begin"]
+        assert (await harness.execute(run_id)).outcome == "succeeded"
+        return begun["begin"] - before
+
+    async for harness in limited(""):
+        for engine in harness.storage.engines:
+            event.listen(engine.sync_engine, "begin", lambda _: begun.update(["begin"]))
+        free, bound = [await harness.fire(Asked(mode="ok")) for _ in range(2)]
+        await harness.waiting()  # the limits' tables are made once, at the store's first call
+
+        unlimited = await transactions(harness, free)
+        harness.text[0] = BOTH_KINDS
+        assert await transactions(harness, bound) == unlimited + 1
+        usage = await harness.runtime.bridge.limits.usage(
+            now=harness.clock.now, windows={"work/turns_per": timedelta(hours=1)}
+        )
+        # the run's use of the window is counted, and its slot given back
+        assert {use.bucket: use.used for use in usage} == {"work/turns_per": 1}

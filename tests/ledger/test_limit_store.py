@@ -144,3 +144,37 @@ async def test_a_turns_end_frees_its_slot_and_names_the_runs_waiting(store: Limi
     assert await store.turn_ended(run(1), "run_turn1", 10, NOW) == [run(2)]
     assert await store.admit(run(2), [turns], now=NOW, lease_until=LEASE) is None
     assert await store.waiting() == []
+
+
+async def test_a_messages_runs_are_admitted_in_one_call_each_with_the_uses_before_it(
+    store: LimitStore,
+) -> None:
+    held = await store.admit(run(0), [IN_FLIGHT], now=NOW, lease_until=LEASE)
+    assert held is None
+    batch = {run(n): [IN_FLIGHT, per_minute(10, run(n))] for n in range(1, 5)}
+    refused = await store.admit_all(batch, now=NOW, lease_until=LEASE)
+    assert list(refused) == [run(3), run(4)]  # 0 held a slot; 1 and 2 took the last two
+    assert {refusal.check.kind for refusal in refused.values()} == {"runs_in_flight"}
+    windows = {"work/turns_per": timedelta(minutes=1)}
+    used = {
+        use.kind: (use.used, use.waiting) for use in await store.usage(now=NOW, windows=windows)
+    }
+    assert used == {"runs_in_flight": (3, 2), "turns_per": (2, 0)}  # a refused run took nothing
+    assert await store.admit_all(batch, now=NOW, lease_until=LEASE) == refused  # taken once
+    assert await store.admit_all({}, now=NOW, lease_until=LEASE) == {}
+
+
+async def test_a_groups_slots_go_back_in_one_call_and_a_sent_turn_keeps_its_own(
+    store: LimitStore,
+) -> None:
+    turns = Check("work", "turns_in_flight", "work/turns_in_flight", 2, None)
+    for n in (1, 2):
+        assert await store.admit(run(n), [IN_FLIGHT, turns], now=NOW, lease_until=LEASE) is None
+    assert await store.admit(run(3), [turns], now=NOW, lease_until=LEASE) is not None
+    turn_ends = NOW + timedelta(minutes=10)
+    woken = await store.release_all({run(1): turn_ends, run(2): None})
+    assert woken == [run(3)]  # run 2's turn slot was freed: run 3 waits on that limit
+    held = {use.kind: use.used for use in await store.usage(now=LEASE, windows={})}
+    assert held == {"turns_in_flight": 1}  # run 1's, past its attempt's lease: its turn runs on
+    assert await store.admit(run(3), [turns], now=NOW, lease_until=LEASE) is None
+    assert await store.release_all({}) == []
