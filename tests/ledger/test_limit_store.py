@@ -12,7 +12,15 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from relayr.core.limits import parse_rate
-from relayr.ledger.limits import Check, InMemoryLimitStore, LimitStore, RunKey, SqlLimitStore
+from relayr.ledger.limits import (
+    Admission,
+    Check,
+    InMemoryLimitStore,
+    LimitStore,
+    Release,
+    RunKey,
+    SqlLimitStore,
+)
 from tests.ledger.test_ledger import create_engine, storage_url
 
 __all__ = ["storage_url"]
@@ -178,3 +186,17 @@ async def test_a_groups_slots_go_back_in_one_call_and_a_sent_turn_keeps_its_own(
     assert held == {"turns_in_flight": 1}  # run 1's, past its attempt's lease: its turn runs on
     assert await store.admit(run(3), [turns], now=NOW, lease_until=LEASE) is None
     assert await store.release_all({}) == []
+
+
+async def test_with_no_transaction_to_ride_an_admission_and_a_release_go_after_their_block(
+    store: LimitStore,
+) -> None:
+    admission = Admission(NOW, LEASE)
+    async with store.admitting(admission):
+        admission.asked = {run(n): [IN_FLIGHT] for n in range(4)}
+    assert list(admission.refused) == [run(3)]
+    release = Release({run(0): None})
+    async with store.releasing(release):
+        pass
+    assert release.woken == [run(3)]
+    assert await store.admit(run(3), [IN_FLIGHT], now=NOW, lease_until=LEASE) is None
