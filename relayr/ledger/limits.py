@@ -8,6 +8,7 @@ Two admissions into one limit never interleave (row locks on PostgreSQL, ``BEGIN
 SQLite; ADR-0106). The SQLite engine has one connection: never call the store while holding it.
 """
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
@@ -216,20 +217,21 @@ class LimitStore(Protocol):
     async def aclose(self) -> None: ...
 
 
-class _AdmitsOne:
-    """:meth:`LimitStore.admit`, from the store's ``admit_all``."""
+class _FromBatches(ABC):
+    """What a store derives from its calls on many runs: :meth:`LimitStore.admit` of one, and
+    :meth:`LimitStore.admitting` and :meth:`LimitStore.releasing` as calls of their own after
+    the block (a store with no engine to ride)."""
 
+    @abstractmethod
     async def admit_all(
         self, runs: Mapping[RunKey, Sequence[Check]], *, now: datetime, lease_until: datetime
-    ) -> dict[RunKey, Refusal]:
-        raise NotImplementedError
+    ) -> dict[RunKey, Refusal]: ...
 
-    async def release_all(self, runs: Mapping[RunKey, datetime | None]) -> list[RunKey]:
-        raise NotImplementedError
+    @abstractmethod
+    async def release_all(self, runs: Mapping[RunKey, datetime | None]) -> list[RunKey]: ...
 
     @asynccontextmanager
     async def admitting(self, admission: Admission) -> AsyncIterator[None]:
-        """After the block, in a call of its own (a store with no engine to ride)."""
         yield
         admission.refused = await self.admit_all(
             admission.asked, now=admission.now, lease_until=admission.lease_until
@@ -251,7 +253,7 @@ class _AdmitsOne:
 
 
 @dataclass
-class InMemoryLimitStore(_AdmitsOne):
+class InMemoryLimitStore(_FromBatches):
     """The store's contract in one process's memory (tests, and the in-memory application)."""
 
     slots: dict[tuple[str, RunKey], tuple[LimitKind, datetime]] = field(default_factory=dict)
@@ -471,7 +473,7 @@ waits_table = Table(
 )
 
 
-class SqlLimitStore(_AdmitsOne, SqlStore):
+class SqlLimitStore(_FromBatches, SqlStore):
     """The limits' counts in SQLite or PostgreSQL (see the module)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
@@ -487,20 +489,33 @@ class SqlLimitStore(_AdmitsOne, SqlStore):
 
     @asynccontextmanager
     async def admitting(self, admission: Admission) -> AsyncIterator[None]:
-        await self._ensure_tables()
-
         def decide(connection: Connection) -> None:
             admission.refused = self._admit_all(
                 connection, admission.asked, admission.now, admission.lease_until
             )
 
-        rider = _Carried(decide)
+        async with self._riding(decide):
+            yield
+
+    @asynccontextmanager
+    async def releasing(self, release: Release) -> AsyncIterator[None]:
+        def free(connection: Connection) -> None:
+            release.woken = self._release_all(connection, release.held)
+
+        async with self._riding(free):
+            yield
+
+    @asynccontextmanager
+    async def _riding(self, work: Callable[[Connection], None]) -> AsyncIterator[None]:
+        """Do ``work`` in the block's first commit on the store's engine; else, after a block
+        that raised nothing, in a transaction of its own."""
+        await self._ensure_tables()
+        rider = _Carried(work)
         with riding(self._engine.sync_engine, "limits", rider):
             yield
         if not rider.committed:
-            admission.refused = await self.admit_all(
-                admission.asked, now=admission.now, lease_until=admission.lease_until
-            )
+            async with self._transaction() as connection:
+                await connection.run_sync(work)
 
     def _admit_all(
         self,
@@ -662,19 +677,6 @@ class SqlLimitStore(_AdmitsOne, SqlStore):
             return []
         async with self._transaction() as connection:
             return await connection.run_sync(self._release_all, runs)
-
-    @asynccontextmanager
-    async def releasing(self, release: Release) -> AsyncIterator[None]:
-        await self._ensure_tables()
-
-        def free(connection: Connection) -> None:
-            release.woken = self._release_all(connection, release.held)
-
-        rider = _Carried(free)
-        with riding(self._engine.sync_engine, "limits", rider):
-            yield
-        if not rider.committed:
-            release.woken = await self.release_all(release.held)
 
     def _release_all(
         self, connection: Connection, runs: Mapping[RunKey, datetime | None]
