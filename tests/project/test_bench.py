@@ -24,7 +24,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.worker]
 COMMANDS = {
     "end_to_end": ("bench.end_to_end", "--n", "6", "--workers", "1", "--storage", "sqlite"),
     "floor": ("bench.floor", "--n", "5", "--storage", "sqlite"),
-    "transactions": ("bench.transactions", "--n", "4", "--storage", "sqlite"),
+    "transactions": (
+        "bench.transactions",
+        "--n",
+        "4",
+        "--storage",
+        "sqlite",
+        "--limit",
+        "none",
+        "runs_in_flight",
+    ),
     "memory": ("bench.memory", "--first", "2", "--total", "5", "--storage", "sqlite"),
     "broker": ("bench.broker", "--n", "20", "--rounds", "1"),
     "targets": ("bench.targets", "--tiny", "--storage", "sqlite"),
@@ -100,7 +109,10 @@ def test_floor_prints_milliseconds_per_commit(printed: dict[str, list[dict[str, 
 def test_transactions_prints_counts_per_notice_run_and_per_pass(
     printed: dict[str, list[dict[str, Any]]],
 ) -> None:
-    (figures,) = printed["transactions"]
+    figures, limited = printed["transactions"]
+    assert (figures["limit"], limited["limit"]) == ("none", "runs_in_flight")
+    assert limited["outcomes"]["succeeded"] == figures["outcomes"]["succeeded"] == 4
+    assert "limited" not in limited["outcomes"]  # the limit binds every run and refuses none
     assert figures["bench"] == "transactions"
     assert figures["publish_per_run"] == 1.0
     assert figures["per_notice_run"] == figures["worker_per_run"] + 1.0
