@@ -116,7 +116,13 @@ def test_a_prefork_worker_serves_the_sum_of_its_pool_processes(
             worker.send(producer, "ops:b", "dead", 2.0, 0.1)
 
         def finished(samples: Samples) -> bool:
-            return sample(samples, "relayr_emissions_total", kind="notice", outcome="posted") >= 8
+            # a scrape reads each process's counters and histograms from files of their own,
+            # one after the other: a task's emission can show while its histogram does not yet
+            return (
+                sample(samples, "relayr_emissions_total", kind="notice", outcome="posted") >= 8
+                and sample(samples, "relayr_attempt_duration_seconds_count", rule="ops:a") >= 5
+                and sample(samples, "relayr_attempt_duration_seconds_count", rule="ops:b") >= 3
+            )
 
         samples = wait_for(worker.port, finished)
         assert sample(samples, "relayr_runs_executed_total", rule="ops:a", outcome="succeeded") == 5
