@@ -297,6 +297,13 @@ class Dispatcher:
         first = _first(self._to_evaluate, EVALUATION_BATCH, self._owns, unless=busy)
         fired = await self._evaluate(first)
         early = await self._hand_out_fired(enqueue, fired, policy)
+        handed_early = {_key(ref, run) for ref, run in fired} - set(self._fair)
+
+        def taken_early(key: _RunKey) -> bool:
+            """Whether a run handed out early in this pass is known taken since (its record
+            gone): what this pass fired holds its state before that, not to be sent again."""
+            return key in handed_early and key not in self._sent.runs
+
         following = time.perf_counter()
         bridged, moved = await self._follow(sweep)
         followed = time.perf_counter()
@@ -344,13 +351,13 @@ class Dispatcher:
             full_list = window is None
             await self._observe(listed, window, now)
             for ref, run in fired:  # due at once, though past the list's end in a backlog
-                if run.rule not in policy.ordered:
+                if run.rule not in policy.ordered and not taken_early(_key(ref, run)):
                     listed.setdefault(_key(ref, run), run)
         else:
             # the runs this pass fired are due at once (no rule orders them): enqueue them
             # without reading every due run again (see DUE_READ_INTERVAL_S)
             due = fired
-            listed = {_key(ref, run): run for ref, run in fired}
+            listed = {_key(ref, run): run for ref, run in fired if not taken_early(_key(ref, run))}
         waiting = 0
         lost: list[tuple[_RunKey, Run]] = []
         for key, run in listed.items():

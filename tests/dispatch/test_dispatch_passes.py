@@ -4,7 +4,7 @@ due list no more often than it must.
 ``serve`` dispatches until stopped and survives a failing pass (memory, SQLite, PostgreSQL);
 a run a pass fired is enqueued without reading every due run, which is read every
 ``DUE_READ_INTERVAL_S``, and again at once while a backlog is past the due limit (SQLite, rules
-without ordered scopes). The harness (its queue a list of messages, its clocks moved by the
+without ordered scopes); a run taken while the pass that fired it goes on is not sent again. The harness (its queue a list of messages, its clocks moved by the
 test) is :mod:`tests.dispatch.dispatch_harness`.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from relayr.core.run_messages import RunMessage
+from relayr.dispatch.changes import Changes
 from relayr.dispatch.dispatcher import DUE_READ_INTERVAL_S, Dispatcher
 from relayr.execution.executor import execute_runs
 from relayr.settings import Settings
@@ -151,3 +152,38 @@ async def test_a_backlog_past_the_due_limit_is_read_again_at_once(unordered: Har
 
     assert [len(run_ids) for run_ids in enqueued] == [2, 2, 1]
     assert sorted(r for run_ids in enqueued for r in run_ids) == sorted(await harness.runs())
+
+
+async def test_a_run_taken_during_the_pass_that_fired_it_is_not_enqueued_again(
+    harness: Harness,
+) -> None:
+    """A pass hands out what it fired before it goes on; a worker that takes the message and
+    ends the run before the pass reads the due list leaves the pass's copy of the run stale,
+    which must not go out again (every storage; its rules order some runs, so the pass reads
+    the due list)."""
+    assert await _fired_and_taken_at_once(harness) == 1
+
+
+async def test_a_run_taken_during_the_pass_that_fired_it_is_not_enqueued_again_unread(
+    unordered: Harness,
+) -> None:
+    """The same where the pass does not read the due list, but learns from the change that
+    the message was taken (no rule orders runs)."""
+    assert await _fired_and_taken_at_once(unordered) == 1
+
+
+async def _fired_and_taken_at_once(harness: Harness) -> int:
+    """Publish one event and pass once, as a worker so quick that it runs each message as it
+    is handed out; how many times the run went out."""
+    await harness.dispatch()  # the first pass reads the due list: nothing is due yet
+    sent: list[str] = []
+
+    async def taken_at_once(batch: RunMessage) -> None:
+        sent.extend(batch.run_ids)
+        await harness.take(list(batch.run_ids))
+
+    await harness.publish(Ping())
+    await harness.dispatcher.pass_once(taken_at_once, Changes(rules={(TENANT, WORKSPACE)}))
+    await harness.dispatcher.pass_once(taken_at_once, Changes(rules={(TENANT, WORKSPACE)}))
+    assert list((await harness.runs()).values()) == ["succeeded"]
+    return len(sent)
