@@ -172,6 +172,10 @@ class Settings(BaseSettings):
             heartbeat; and how often ``relayr follow`` follows every workspace.
         dispatch_sweep_s: How often the dispatcher compares every workspace's head with what
             it evaluated and followed, in case a change notification was lost.
+        dispatch_settle_s: How long the dispatcher lets a workspace it just decided settle:
+            the workspace's further changes in that time are decided together, in one pass
+            when it ends, while a change of any other workspace passes at once. 0 decides a
+            workspace at each of its commits (ADR-0120).
         fair_messages: How many messages of one workspace may wait in the broker at once; the
             rest of its due runs wait in the dispatcher, handed out fairly between workspaces
             and tenants as workers take messages.
@@ -222,6 +226,7 @@ class Settings(BaseSettings):
     turn_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 30.0
     dispatch_interval_s: _Seconds = 1.0
     dispatch_sweep_s: _Seconds = 30.0
+    dispatch_settle_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.25
     fair_messages: Annotated[int, Field(ge=1)] = 2
     fair_batch: Annotated[int, Field(ge=1, le=MAX_BATCH_RUNS)] = 5
     tenant_weights: Annotated[dict[str, float], NoDecode, BeforeValidator(_weights)] = Field(

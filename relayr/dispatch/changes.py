@@ -131,6 +131,11 @@ class ChangeFeed(ABC):
             async with asyncio.timeout(timeout_s):
                 await self._woken.wait()
 
+    @property
+    def woken(self) -> bool:
+        """Whether something gathered since the last :meth:`take`."""
+        return self._woken.is_set()
+
     def noted(self, source: Source, tenant_id: str, workspace_id: str) -> None:
         """A workspace's log moved."""
         found = self._changes.rules if source == "reflexr" else self._changes.artifacts

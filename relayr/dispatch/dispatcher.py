@@ -17,6 +17,7 @@ attempt.
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -241,6 +242,7 @@ class Dispatcher:
         self._requeue_after_s = settings.requeue_after_s
         self._interval_s = settings.dispatch_interval_s
         self._sweep_s = settings.dispatch_sweep_s
+        self._settle_s = settings.dispatch_settle_s
         self._monotonic = monotonic
         self._limit = limit
         self._queue_depth = queue_depth or _asking(settings)
@@ -474,14 +476,33 @@ class Dispatcher:
         self, enqueue: Enqueue, stop: asyncio.Event, feed: ChangeFeed, listening: bool
     ) -> None:
         swept_at: float | None = None
+        passed_at: float | None = None
         catching_up: _CatchingUp | None = _CatchingUp(self._monotonic())  # the first sweep
+        settling = _Settling(self._settle_s)
+        more = True  # the first pass sweeps at once
+        timed = False
         while not stop.is_set():
             now = self._monotonic()
-            changes = feed.take()
-            if not listening or swept_at is None or now - swept_at >= self._sweep_s:
-                changes.everything = True
-            if changes.everything or swept_at is None:
+            settling.gather(feed.take())
+            sweep = not listening or swept_at is None or now - swept_at >= self._sweep_s
+            timed = timed or passed_at is None or now - passed_at >= self._interval_s
+            if not (more or sweep or timed):
+                wait_s = settling.wait_s(now)
+                if wait_s is None or wait_s > 0:
+                    until_timed = self._interval_s - (now - passed_at)  # type: ignore[operator]
+                    until_sweep = self._sweep_s - (now - swept_at)  # type: ignore[operator]
+                    bound = max(0.0, min(until_timed, until_sweep))
+                    if wait_s is not None and wait_s < bound:
+                        await _first_of(feed, stop, wait_s)
+                    else:  # nothing new until the timer: the next pass is a timed one
+                        timed = not await _first_of(feed, stop, bound)
+                    continue
+            changes = settling.take(now, whole=sweep or timed or more)
+            timed = False
+            changes.everything = changes.everything or sweep
+            if changes.everything:
                 swept_at = now
+            passed_at = now
             if await self._keep_shards():
                 changes.everything = True
             more = False
@@ -501,9 +522,6 @@ class Dispatcher:
                     catching_up = None
             if more:
                 await asyncio.sleep(0)
-                continue
-            until_sweep = self._sweep_s - (self._monotonic() - swept_at)
-            await _first_of(feed, stop, max(0.0, min(self._interval_s, until_sweep)))
 
     async def report_limits(self) -> None:
         """Say what each bound of the allowlist file's limits uses now (a ``LimitsUsed`` fact,
@@ -592,16 +610,28 @@ class Dispatcher:
     async def _check_taken(self, moved: Iterable[Workspace], now: float) -> None:
         """Learn at once which messages of the workspaces that moved a worker took (its claim
         appended to their logs): the first run of each such message left the attempt it was
-        enqueued at. Frees their place in the fair hand-out without waiting for the due list."""
+        enqueued at. Frees their place in the fair hand-out without waiting for the due list.
+
+        A workspace's messages of a kind (``behind`` or not) are read oldest first, up to the
+        first not taken: the broker delivers them in that order, so one read a pass finds what
+        is still waiting, and each other read a message newly taken."""
         moved = set(moved)
         sent = self._sent
-        for message in list(sent.messages.values()):
-            if message.taken_at is not None or message.workspace not in moved or not message.runs:
+        waiting: set[tuple[Workspace, bool]] = set()
+        for message in sorted(sent.messages.values(), key=lambda m: m.seq):
+            kind = (message.workspace, message.behind)
+            if (
+                message.taken_at is not None
+                or message.workspace not in moved
+                or not message.runs
+                or kind in waiting
+            ):
                 continue
             key = min(message.runs)
             run = await self._rules.storage.run(WorkspaceRef(key[0], key[1]), key[2])
             queued = sent.runs.get(key)
             if run is None or queued is None or _attempt(run) == queued.attempt:
+                waiting.add(kind)
                 continue
             sent.taken(message, now)
             message.runs.discard(key)
@@ -736,6 +766,59 @@ def _first(
     return chosen
 
 
+class _Settling:
+    """Changes held while their workspace settles (ADR-0120).
+
+    A workspace whose changes a pass took less than ``settle_s`` ago waits out the rest, its
+    further changes gathered into one pass: a burst's workspace is decided a few times a
+    second, not at each of its workers' commits. A change of any other workspace passes at
+    once, taking with it only the workspaces that settled.
+    """
+
+    def __init__(self, settle_s: float) -> None:
+        self._settle_s = settle_s
+        self._held = Changes()
+        self._taken_at: dict[Workspace, float] = {}
+
+    def gather(self, changes: Changes) -> None:
+        """Hold what the feed gathered."""
+        self._held.rules |= changes.rules
+        self._held.artifacts |= changes.artifacts
+        self._held.everything |= changes.everything
+
+    def wait_s(self, now: float) -> float | None:
+        """How long until a held change may pass (0: now); None when nothing is held."""
+        held = self._held
+        if held.everything:
+            return 0.0
+        if not held:
+            return None
+        taken_at, settle_s = self._taken_at, self._settle_s
+        return max(
+            0.0,
+            min(taken_at.get(w, -math.inf) + settle_s - now for w in held.rules | held.artifacts),
+        )
+
+    def take(self, now: float, *, whole: bool) -> Changes:
+        """The held changes whose workspace settled (all of them if ``whole``), now taken."""
+        held, settle_s = self._held, self._settle_s
+        if whole or held.everything:
+            taken, self._held = held, Changes()
+        else:
+            taken_at = self._taken_at
+            settled = {
+                w
+                for w in held.rules | held.artifacts
+                if taken_at.get(w, -math.inf) + settle_s <= now
+            }
+            taken = Changes(rules=held.rules & settled, artifacts=held.artifacts & settled)
+            held.rules -= settled
+            held.artifacts -= settled
+        self._taken_at = {w: at for w, at in self._taken_at.items() if at + settle_s > now}
+        self._taken_at.update(dict.fromkeys(taken.rules | taken.artifacts, now))
+        return taken
+
+
 @dataclass
 class _CatchingUp:
     """Passes made back to back since ``since`` (monotonic), to work off what was queued."""
@@ -744,8 +827,9 @@ class _CatchingUp:
     passes: int = 0
 
 
-async def _first_of(feed: ChangeFeed, stop: asyncio.Event, timeout_s: float) -> None:
-    """Wait until the feed has something, ``stop`` is set, or ``timeout_s`` passed."""
+async def _first_of(feed: ChangeFeed, stop: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until the feed has something, ``stop`` is set, or ``timeout_s`` passed; whether it
+    was not the timeout that ended the wait."""
     waits = [asyncio.ensure_future(feed.wait(timeout_s)), asyncio.ensure_future(stop.wait())]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -753,6 +837,7 @@ async def _first_of(feed: ChangeFeed, stop: asyncio.Event, timeout_s: float) -> 
         for waiting in waits:
             waiting.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
+    return feed.woken or stop.is_set()
 
 
 def _alone(run: Run) -> bool:

@@ -5,7 +5,8 @@ A pass given the workspaces that moved touches only those (its reads of heads an
 evaluation transactions are counted on the real storage); a timed pass with nothing moved
 touches none; a burst across more workspaces than a pass evaluates is decided over the next
 passes; and ``serve``, whose sweep is an hour away, still enqueues an event's run: the feed woke
-it.
+it. A workspace just decided settles, its further changes decided together, while another
+workspace's change passes at once.
 """
 
 import asyncio
@@ -163,3 +164,67 @@ async def test_serve_is_woken_by_the_store_not_by_its_sweep(harness: Harness) ->
         await serving
 
     assert "late" in queue.workspaces()
+
+
+@pytest.fixture
+async def settling(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
+    """A harness whose dispatcher passes only when woken: no timed pass nor sweep comes during
+    a test, and a workspace it decided settles for 0.2 s on the test's clock."""
+    settings = Settings(
+        home=tmp_path,
+        database_url=database_url,
+        turn_grace_s=0,
+        fair_messages=FAIR_OFF,
+        dispatch_sweep_s=3600,
+        dispatch_interval_s=3600,
+        dispatch_settle_s=0.2,
+    )
+    async with opened(settings, RULES[:1]) as harness:
+        yield harness
+
+
+async def test_a_workspace_just_decided_settles_while_another_passes_at_once(
+    settling: Harness,
+) -> None:
+    """A burst's workspace is decided once per ``dispatch_settle_s``, its changes meanwhile
+    gathered into one pass; a change of another workspace is decided at once, alone."""
+    harness = settling
+    stop = asyncio.Event()
+    queue = Queue()
+    passes: list[set[str]] = []
+    pass_once = harness.dispatcher.pass_once
+
+    async def recorded(enqueue: Any, changes: Changes | None = None) -> Any:
+        done = await pass_once(enqueue, changes)
+        passes.append({w for _, w in changes.rules} if changes is not None else set())
+        return done
+
+    async def runs_of(workspace: str, count: int) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while sum(len(b.run_ids) for b in queue.sent if b.workspace_id == workspace) < count:
+                await asyncio.sleep(0.01)
+
+    harness.dispatcher.pass_once = recorded  # type: ignore[method-assign]
+    serving = asyncio.create_task(harness.dispatcher.serve(queue.enqueue, stop))
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while not passes:  # the first pass: a sweep
+                await asyncio.sleep(0.01)
+        await publish(harness, "busy")
+        await runs_of("busy", 1)
+        await publish(harness, "busy", count=2)  # the clock stands: busy has not settled
+        await publish(harness, "quiet")
+        await runs_of("quiet", 1)
+        held = sum(len(b.run_ids) for b in queue.sent if b.workspace_id == "busy")
+        decided = len(passes)
+        harness.clock.now += 0.2
+        await runs_of("busy", 3)
+    finally:
+        stop.set()
+        await serving
+
+    assert held == 1
+    assert passes[1:decided] == [{"busy"}, {"quiet"}]
+    # busy's two events in one pass, with what the passes' own commits moved meanwhile
+    assert passes[decided] >= {"busy"}
+    assert len(passes) == decided + 1
