@@ -34,7 +34,7 @@ from relayr.core.errors import InvalidAllowlist
 from relayr.core.fairness import FairQueue, Message
 from relayr.core.run_messages import MAX_BATCH_RUNS, RunMessage
 from relayr.dispatch.changes import ChangeFeed, Changes, Workspace, feed_for
-from relayr.dispatch.evaluation import evaluate_each
+from relayr.dispatch.evaluation import BATCH_ENVELOPES, evaluate_each
 from relayr.dispatch.shards import InMemoryShardStore, Shards, SqlShardStore
 from relayr.ledger.limits import limit_uses
 from relayr.observe import hooks, telemetry
@@ -88,6 +88,13 @@ next begins. A pass evaluates one transaction of envelopes of each
 envelopes left from the last pass, no due runs held back), whose runs go out at once, then,
 after following, the others; a backlog never holds another workspace's new event for longer
 than the pass under way."""
+
+LONE_BATCH_ENVELOPES: Final = 100
+"""How many envelopes one evaluation transaction reads of a backlog that no other workspace
+waits behind (ADR-0120): the transaction's own cost, about 25 ms on PostgreSQL, is paid for
+five times the envelopes, and a workspace that moves meanwhile waits for one transaction of
+these at most, as it would for one of :data:`~relayr.dispatch.evaluation.BATCH_ENVELOPES`
+of each of several backlogs."""
 
 logger = structlog.get_logger("relayr.dispatch")
 
@@ -327,7 +334,10 @@ class Dispatcher:
             self._backlogged.pop(workspace, None)
         limit = EVALUATION_BATCH - len(first) - len(chosen)
         chosen += _first(self._backlogged, limit, self._owns, unless=done_first)
-        fired += await self._evaluate(chosen)
+        lone = len(chosen) == 1 and not (self._to_evaluate or self._backlogged or first)
+        fired += await self._evaluate(
+            chosen, batch=LONE_BATCH_ENVELOPES if lone else BATCH_ENVELOPES
+        )
         decided = time.perf_counter()
         if sweep:  # a sweep learns of every message taken, as a change would
             await self._check_taken({m.workspace for m in self._sent.messages.values()}, now)
@@ -421,15 +431,18 @@ class Dispatcher:
                 self._fair.add(key[:2], key, _Due(key, run), alone=_alone(run))
         return await self._hand_out(enqueue, [])
 
-    async def _evaluate(self, chosen: list[Workspace]) -> list[tuple[WorkspaceRef, Run]]:
-        """Evaluate one transaction of each workspace of ``chosen``; those left short of their
-        head wait in :attr:`_backlogged` for the next pass (the caller took ``chosen`` out of
-        it). The runs their firings made."""
+    async def _evaluate(
+        self, chosen: list[Workspace], *, batch: int = BATCH_ENVELOPES
+    ) -> list[tuple[WorkspaceRef, Run]]:
+        """Evaluate one transaction of ``batch`` envelopes of each workspace of ``chosen``; those
+        left short of their head wait in :attr:`_backlogged` for the next pass (the caller took
+        ``chosen`` out of it). The runs their firings made."""
         evaluated = await evaluate_each(
             self._rules,
             [WorkspaceRef(tenant_id, workspace_id) for tenant_id, workspace_id in chosen],
             evaluated_to=self._evaluated_to,
             whole=False,
+            batch=batch,
         )
         self._backlogged.update(
             dict.fromkeys((ref.tenant_id, ref.workspace_id) for ref in evaluated.behind)

@@ -44,10 +44,14 @@ class Evaluated:
 
 
 async def evaluate_workspace(
-    rules: Workspaces, ref: WorkspaceRef, *, up_to: int | None = None
+    rules: Workspaces,
+    ref: WorkspaceRef,
+    *,
+    up_to: int | None = None,
+    batch: int = BATCH_ENVELOPES,
 ) -> Evaluated:
-    """Evaluate every enabled rule of ``ref`` over up to :data:`BATCH_ENVELOPES` new envelopes,
-    in one transaction; ``up_to`` bounds the seqs read (the head a pass began with)."""
+    """Evaluate every enabled rule of ``ref`` over up to ``batch`` new envelopes, in one
+    transaction; ``up_to`` bounds the seqs read (the head a pass began with)."""
     async with rules.storage.transaction(ref) as transaction:
         found = await rules.rules_in(transaction)
         head = await transaction.head_seq()
@@ -59,7 +63,7 @@ async def evaluate_workspace(
             return Evaluated((), last, True)
         envelopes = [
             envelope
-            for envelope in await transaction.read(after_seq=low, limit=BATCH_ENVELOPES)
+            for envelope in await transaction.read(after_seq=low, limit=batch)
             if envelope.seq <= last
         ]
         made: list[Run] = []
@@ -152,10 +156,11 @@ async def evaluate_each(
     *,
     evaluated_to: dict[WorkspaceRef, int] | None = None,
     whole: bool = True,
+    batch: int = BATCH_ENVELOPES,
 ) -> Evaluations:
     """Evaluate each workspace of ``refs``: each up to the head it had when its turn came, or,
-    unless ``whole``, over one transaction's envelopes (:data:`BATCH_ENVELOPES`), the rest
-    left for the caller (``behind``), so that a backlog takes its turn with the others.
+    unless ``whole``, over one transaction of ``batch`` envelopes, the rest left for the caller
+    (``behind``), so that a backlog takes its turn with the others.
 
     ``evaluated_to`` remembers, across calls, the head each workspace was evaluated up to: a
     workspace whose head has not moved since is skipped after one read of its head, without the
@@ -168,10 +173,10 @@ async def evaluate_each(
     for ref in refs:
         if known is not None and known.get(ref) == await rules.storage.head_seq(ref):
             continue
-        evaluated = await evaluate_workspace(rules, ref)
+        evaluated = await evaluate_workspace(rules, ref, batch=batch)
         made += [(ref, run) for run in evaluated.runs]
         while whole and not evaluated.caught_up:
-            evaluated = await evaluate_workspace(rules, ref, up_to=evaluated.up_to)
+            evaluated = await evaluate_workspace(rules, ref, up_to=evaluated.up_to, batch=batch)
             made += [(ref, run) for run in evaluated.runs]
         if not evaluated.caught_up:
             behind.append(ref)

@@ -15,6 +15,7 @@ from reflexr import SourceActor
 
 from relayr.core.run_messages import RunMessage
 from relayr.dispatch.changes import Changes
+from relayr.dispatch.dispatcher import LONE_BATCH_ENVELOPES
 from relayr.dispatch.evaluation import BATCH_ENVELOPES
 from relayr.execution.executor import execute_runs
 from relayr.settings import Settings
@@ -115,6 +116,30 @@ async def test_a_backlog_is_evaluated_a_transaction_a_pass_after_what_changed_si
 
     source = await harness.rules.open(*FLOOD, actor=SourceActor(name="test"))
     assert len(await source.runs(limit=1000)) == flood
+
+
+async def test_a_backlog_no_workspace_waits_behind_is_evaluated_in_longer_transactions(
+    harness: Harness,
+) -> None:
+    """Alone, a backlog is evaluated LONE_BATCH_ENVELOPES envelopes a transaction; once
+    another workspace moves, BATCH_ENVELOPES again, after that workspace."""
+    sent = Sent()
+    dispatcher = harness.dispatcher
+    flood = BATCH_ENVELOPES + LONE_BATCH_ENVELOPES + BATCH_ENVELOPES + 5
+    await publish(harness, FLOOD, flood)
+    new = await dispatcher.pass_once(sent.enqueue, Changes(rules={FLOOD}))
+    alone = await dispatcher.pass_once(sent.enqueue, Changes())
+    await publish(harness, QUIET, 1)
+    beside = await dispatcher.pass_once(sent.enqueue, Changes(rules={QUIET}))
+    last = await dispatcher.pass_once(sent.enqueue, Changes())
+
+    assert [done.firings for done in (new, alone, beside, last)] == [
+        BATCH_ENVELOPES,
+        LONE_BATCH_ENVELOPES,
+        1 + BATCH_ENVELOPES,
+        5,
+    ]
+    assert len(sent.of(QUIET)) == 1
 
 
 async def test_a_message_that_went_ahead_does_not_make_a_backlog_look_lost(

@@ -4,8 +4,9 @@ due list no more often than it must.
 ``serve`` dispatches until stopped and survives a failing pass (memory, SQLite, PostgreSQL);
 a run a pass fired is enqueued without reading every due run, which is read every
 ``DUE_READ_INTERVAL_S``, and again at once while a backlog is past the due limit (SQLite, rules
-without ordered scopes); a run taken while the pass that fired it goes on is not sent again. The harness (its queue a list of messages, its clocks moved by the
-test) is :mod:`tests.dispatch.dispatch_harness`.
+without ordered scopes); a run taken while the pass that fired it goes on is not sent again.
+The harness (its queue a list of messages, its clocks moved by the test) is
+:mod:`tests.dispatch.dispatch_harness`.
 """
 
 import asyncio

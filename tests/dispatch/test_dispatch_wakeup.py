@@ -192,24 +192,26 @@ async def test_a_workspace_just_decided_settles_while_another_passes_at_once(
     stop = asyncio.Event()
     queue = Queue()
     passes: list[set[str]] = []
+    passed = asyncio.Event()
     pass_once = harness.dispatcher.pass_once
 
     async def recorded(enqueue: Any, changes: Changes | None = None) -> Any:
         done = await pass_once(enqueue, changes)
         passes.append({w for _, w in changes.rules} if changes is not None else set())
+        passed.set()
         return done
 
     async def runs_of(workspace: str, count: int) -> None:
         async with asyncio.timeout(WAIT_S):
             while sum(len(b.run_ids) for b in queue.sent if b.workspace_id == workspace) < count:
-                await asyncio.sleep(0.01)
+                passed.clear()
+                await passed.wait()
 
     harness.dispatcher.pass_once = recorded  # type: ignore[method-assign]
     serving = asyncio.create_task(harness.dispatcher.serve(queue.enqueue, stop))
     try:
         async with asyncio.timeout(WAIT_S):
-            while not passes:  # the first pass: a sweep
-                await asyncio.sleep(0.01)
+            await passed.wait()  # the first pass: a sweep
         await publish(harness, "busy")
         await runs_of("busy", 1)
         await publish(harness, "busy", count=2)  # the clock stands: busy has not settled
