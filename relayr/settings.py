@@ -226,7 +226,7 @@ class Settings(BaseSettings):
     turn_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 30.0
     dispatch_interval_s: _Seconds = 1.0
     dispatch_sweep_s: _Seconds = 30.0
-    dispatch_settle_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.25
+    dispatch_settle_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.1
     fair_messages: Annotated[int, Field(ge=1)] = 2
     fair_batch: Annotated[int, Field(ge=1, le=MAX_BATCH_RUNS)] = 5
     tenant_weights: Annotated[dict[str, float], NoDecode, BeforeValidator(_weights)] = Field(
