@@ -452,12 +452,14 @@ class Dispatcher:
     async def serve(self, enqueue: Enqueue, stop: asyncio.Event) -> None:
         """Pass whenever the store says a workspace's log moved, until ``stop`` is set.
 
-        Passes also come every ``dispatch_interval_s`` (schedules, the due list) and sweep
-        every ``dispatch_sweep_s``. A pass that fails is logged and the next one starts over;
-        a pass that left work behind is followed at once by the next, and the last of such
-        passes (the first sweep's too) logs ``dispatcher caught up``, with how many passes and
-        how long they took. A feed that cannot start is logged, and every timed pass then
-        sweeps. Stopping gives up the followers' leases.
+        A workspace a pass decided less than ``dispatch_settle_s`` ago waits out the rest, what
+        moves in it meanwhile decided together in one pass (ADR-0120). Passes also come every
+        ``dispatch_interval_s`` (schedules, the due list) and sweep every ``dispatch_sweep_s``.
+        A pass that fails is logged and the next one starts over; a pass that left work behind
+        is followed at once by the next, and the last of such passes (the first sweep's too)
+        logs ``dispatcher caught up``, with how many passes and how long they took. A feed that
+        cannot start is logged, and every timed pass then sweeps. Stopping gives up the
+        followers' leases.
         """
         feed = self._feed
         if feed is None:
@@ -488,22 +490,20 @@ class Dispatcher:
     async def _serve(
         self, enqueue: Enqueue, stop: asyncio.Event, feed: ChangeFeed, listening: bool
     ) -> None:
-        swept_at: float | None = None
-        passed_at: float | None = None
+        swept_at = last_pass_at = -math.inf  # the first pass sweeps
         catching_up: _CatchingUp | None = _CatchingUp(self._monotonic())  # the first sweep
         settling = _Settling(self._settle_s)
-        more = True  # the first pass sweeps at once
-        timed = False
+        more = timed = False
         while not stop.is_set():
             now = self._monotonic()
             settling.gather(feed.take())
-            sweep = not listening or swept_at is None or now - swept_at >= self._sweep_s
-            timed = timed or passed_at is None or now - passed_at >= self._interval_s
+            sweep = not listening or now - swept_at >= self._sweep_s
+            timed = timed or now - last_pass_at >= self._interval_s
             if not (more or sweep or timed):
                 wait_s = settling.wait_s(now)
                 if wait_s is None or wait_s > 0:
-                    until_timed = self._interval_s - (now - passed_at)  # type: ignore[operator]
-                    until_sweep = self._sweep_s - (now - swept_at)  # type: ignore[operator]
+                    until_timed = self._interval_s - (now - last_pass_at)
+                    until_sweep = self._sweep_s - (now - swept_at)
                     bound = max(0.0, min(until_timed, until_sweep))
                     if wait_s is not None and wait_s < bound:
                         await _first_of(feed, stop, wait_s)
@@ -515,7 +515,7 @@ class Dispatcher:
             changes.everything = changes.everything or sweep
             if changes.everything:
                 swept_at = now
-            passed_at = now
+            last_pass_at = now
             if await self._keep_shards():
                 changes.everything = True
             more = False
