@@ -806,11 +806,11 @@ class _Settling:
             return 0.0
         if not held:
             return None
-        taken_at, settle_s = self._taken_at, self._settle_s
-        return max(
-            0.0,
-            min(taken_at.get(w, -math.inf) + settle_s - now for w in held.rules | held.artifacts),
-        )
+        return max(0.0, min(self._settles_at(w) - now for w in held.rules | held.artifacts))
+
+    def _settles_at(self, workspace: Workspace) -> float:
+        """When a change of ``workspace`` may pass (minus infinity: at once)."""
+        return self._taken_at.get(workspace, -math.inf) + self._settle_s
 
     def take(self, now: float, *, whole: bool) -> Changes:
         """The held changes whose workspace settled (all of them if ``whole``), now taken."""
@@ -818,12 +818,7 @@ class _Settling:
         if whole or held.everything:
             taken, self._held = held, Changes()
         else:
-            taken_at = self._taken_at
-            settled = {
-                w
-                for w in held.rules | held.artifacts
-                if taken_at.get(w, -math.inf) + settle_s <= now
-            }
+            settled = {w for w in held.rules | held.artifacts if self._settles_at(w) <= now}
             taken = Changes(rules=held.rules & settled, artifacts=held.artifacts & settled)
             held.rules -= settled
             held.artifacts -= settled

@@ -30,17 +30,26 @@ WAIT_S = 30.0
 test."""
 
 
+@asynccontextmanager
+async def woken(database_url: str, tmp_path: Path, **settings: Any) -> AsyncIterator[Harness]:
+    """A harness whose sweep is an hour away, with ``settings`` besides."""
+    async with opened(
+        Settings(
+            home=tmp_path,
+            database_url=database_url,
+            turn_grace_s=0,
+            fair_messages=FAIR_OFF,
+            dispatch_sweep_s=3600,
+            **settings,
+        ),
+        RULES[:1],
+    ) as harness:
+        yield harness
+
+
 @pytest.fixture
 async def harness(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
-    settings = Settings(
-        home=tmp_path,
-        database_url=database_url,
-        turn_grace_s=0,
-        fair_messages=FAIR_OFF,
-        dispatch_sweep_s=3600,
-        dispatch_interval_s=0.05,
-    )
-    async with opened(settings, RULES[:1]) as harness:
+    async with woken(database_url, tmp_path, dispatch_interval_s=0.05) as harness:
         yield harness
 
 
@@ -170,16 +179,9 @@ async def test_serve_is_woken_by_the_store_not_by_its_sweep(harness: Harness) ->
 async def settling(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
     """A harness whose dispatcher passes only when woken: no timed pass nor sweep comes during
     a test, and a workspace it decided settles for 0.2 s on the test's clock."""
-    settings = Settings(
-        home=tmp_path,
-        database_url=database_url,
-        turn_grace_s=0,
-        fair_messages=FAIR_OFF,
-        dispatch_sweep_s=3600,
-        dispatch_interval_s=3600,
-        dispatch_settle_s=0.2,
-    )
-    async with opened(settings, RULES[:1]) as harness:
+    async with woken(
+        database_url, tmp_path, dispatch_interval_s=3600, dispatch_settle_s=0.2
+    ) as harness:
         yield harness
 
 
