@@ -20,6 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from relayr.cli import cli
+from relayr.cli.processes import RelayrProcess
 from tests.ops_app import CRASH_CONTENT, FIXED
 from tests.services import forgetting_redis_queue
 from tests.workers import (
@@ -64,12 +65,21 @@ def runs(environment: dict[str, str], *filters: str) -> list[dict[str, Any]]:
     return found
 
 
-def ended(environment: dict[str, str], rule: str, status: str, count: int = 1) -> list[Any]:
+def ended(
+    environment: dict[str, str],
+    rule: str,
+    status: str,
+    *processes: RelayrProcess,
+    count: int = 1,
+) -> list[Any]:
+    """The runs of ``rule`` in ``status`` once there are ``count``; a timeout shows the logs of
+    ``processes``."""
+
     def probe() -> list[Any] | None:
         found = runs(environment, "--rule", rule, "--status", status)
         return found if len(found) >= count else None
 
-    return until(f"{count} {status} run(s) of {rule}", probe, timeout_s=WAIT_S)
+    return until(f"{count} {status} run(s) of {rule}", probe, *processes, timeout_s=WAIT_S)
 
 
 def by(author: str, transcript: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -95,7 +105,10 @@ def test_a_a_dead_run_retried_by_ops_posts_exactly_one_notice(
     environment: dict[str, str], tmp_path: Path
 ) -> None:
     thread = relayr(environment, "thread", "create", WHERE, "--title", "backups")["id"]
-    with running_worker(environment, tmp_path), running_dispatcher(environment, tmp_path):
+    with (
+        running_worker(environment, tmp_path) as worker,
+        running_dispatcher(environment, tmp_path) as dispatcher,
+    ):
         relayr(
             environment,
             "publish",
@@ -104,14 +117,14 @@ def test_a_a_dead_run_retried_by_ops_posts_exactly_one_notice(
             "--data",
             json.dumps({"thread_id": thread}),
         )
-        [dead] = ended(environment, "ops:backup-check", "dead")
+        [dead] = ended(environment, "ops:backup-check", "dead", worker, dispatcher)
         assert (dead["reason"], dead["attempts"]) == ("backup_down", 2)
         assert "backup host is down" in dead["error"]
 
         (tmp_path / FIXED).touch()
         [retried] = relayr(environment, "runs", "retry", "--dead", "--rule", "ops:backup-check")
         assert (retried["run_id"], retried["ok"]) == (dead["id"], True)
-        ended(environment, "ops:backup-check", "succeeded")
+        ended(environment, "ops:backup-check", "succeeded", worker, dispatcher)
 
     transcript = relayr(environment, "thread", "show", WHERE, thread)
     notices = by("external_agent:reflexr:ops:backup-check", transcript)
@@ -134,16 +147,16 @@ def test_b_a_send_killed_between_commit_and_ask_gets_one_message_and_one_turn(
     with (
         forgetting_redis_queue(environment["RELAYR_QUEUE"], url=redis_url),
         running_worker(environment, tmp_path) as worker,
-        running_dispatcher(environment, tmp_path),
+        running_dispatcher(environment, tmp_path) as dispatcher,
     ):
         relayr(
             environment, "publish", WHERE, "opsw:lost", "--data", json.dumps({"thread_id": thread})
         )
-        [dead] = ended(environment, "ops:crash-send", "dead")
+        [dead] = ended(environment, "ops:crash-send", "dead", worker, dispatcher)
         assert dead["reason"] in ("worker_lost", "abandoned"), dead
         (tmp_path / FIXED).touch()
         relayr(environment, "runs", "retry", dead["id"])
-        ended(environment, "ops:crash-send", "succeeded")
+        ended(environment, "ops:crash-send", "succeeded", worker, dispatcher)
 
         def turned() -> list[dict[str, Any]] | None:
             report = relayr(environment, "runs", "show", dead["id"])
@@ -187,14 +200,17 @@ def test_d_revoking_turns_stops_the_next_send_and_a_broken_file_changes_nothing(
         data = json.dumps({"title": title, "thread_id": thread})
         relayr(environment, "publish", WHERE, "incident:opened", "--data", data)
 
-    with running_worker(environment, tmp_path) as worker, running_dispatcher(environment, tmp_path):
+    with (
+        running_worker(environment, tmp_path) as worker,
+        running_dispatcher(environment, tmp_path) as dispatcher,
+    ):
         incident("first")
-        ended(environment, "ops:incident-triage", "succeeded", 1)
+        ended(environment, "ops:incident-triage", "succeeded", worker, dispatcher)
 
         allowlist.write_text(BROKEN)
         time.sleep(1.5)  # the worker re-reads the file at most once a second
         incident("second, under a broken file")
-        ended(environment, "ops:incident-triage", "succeeded", 2)
+        ended(environment, "ops:incident-triage", "succeeded", worker, dispatcher, count=2)
         log = json.dumps(list(log_records(worker.log()))).replace('\\"', '"')
         for key in (
             'rules."ops:incident-triage".turns',
@@ -206,7 +222,7 @@ def test_d_revoking_turns_stops_the_next_send_and_a_broken_file_changes_nothing(
         allowlist.write_text(REVOKED)
         time.sleep(1.5)
         incident("third, revoked")
-        [refused] = ended(environment, "ops:incident-triage", "dead")
+        [refused] = ended(environment, "ops:incident-triage", "dead", worker, dispatcher)
         assert refused["reason"] == "not_allowed"
         assert worker.alive()
 
