@@ -39,9 +39,10 @@ format: $(STAMP)
 test: check
 	$(BIN)/pytest -n 2 --dist loadfile
 
-# a developer's loop: the tests that start no worker process, a module per xdist process
+# a developer's loop: the tests that start no process and need no server (README), a module per
+# xdist process
 test-fast: $(STAMP)
-	$(BIN)/pytest -m "not worker and not slow" -n auto --dist loadfile
+	$(BIN)/pytest -m "not worker and not process and not slow and not postgres and not redis" -n auto --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.targets

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -87,7 +88,24 @@ STORAGES: Final = ["memory", *SQL_STORAGES]
 
 def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The database URL of a fixture parametrized by :data:`STORAGES` (or
-    :data:`SQL_STORAGES`): PostgreSQL's is an empty database of the test's own."""
+    :data:`SQL_STORAGES`): a database of the test's own, its tables made (both libraries' and
+    relayr's, at head), copied from a template migrated once per test process.
+
+    A test of the migrations themselves takes :func:`empty_storage_url`.
+    """
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "sqlite":
+        database = tmp_path / "relayr.db"
+        shutil.copyfile(_sqlite_template(), database)
+        return f"sqlite+aiosqlite:///{database}"
+    url = request.getfixturevalue("migrated_postgres_url")
+    assert isinstance(url, str)
+    return url
+
+
+def empty_storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """:func:`storage_url`, but an empty database: no table made yet."""
     if request.param == "memory":
         return "memory://"
     if request.param == "sqlite":
@@ -95,6 +113,62 @@ def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     url = request.getfixturevalue("postgres_url")
     assert isinstance(url, str)
     return url
+
+
+_templates: dict[str, str] = {}
+"""This process's migrated templates: the SQLite file's path, the PostgreSQL database's name."""
+
+
+def _sqlite_template() -> str:
+    if "sqlite" not in _templates:
+        folder = Path(tempfile.mkdtemp(prefix="relayr-template-"))
+        _templates["sqlite folder"] = str(folder)  # for drop_templates, even if this fails
+        _migrate(f"sqlite+aiosqlite:///{folder}/relayr.db")
+        assert not (folder / "relayr.db-wal").exists(), "the template's log was not checkpointed"
+        _templates["sqlite"] = str(folder / "relayr.db")
+    return _templates["sqlite"]
+
+
+def postgres_template() -> str:
+    """The name of this process's PostgreSQL database with every table made, to copy
+    (``CREATE DATABASE ... TEMPLATE``); made at the first call, dropped by
+    :func:`drop_templates`."""
+    if "postgres" not in _templates:
+        require("PostgreSQL", PG_HOST, PG_PORT)
+        name = f"relayr_template_{uuid.uuid4().hex[:12]}"
+        _admin_execute(f'CREATE DATABASE "{name}"')
+        try:
+            _migrate(f"postgresql+asyncpg://postgres@{PG_HOST}:{PG_PORT}/{name}")
+        except BaseException:
+            _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            raise
+        _templates["postgres"] = name
+    return _templates["postgres"]
+
+
+def drop_templates() -> None:
+    """Remove the templates this process made (at the end of its test session)."""
+    if (name := _templates.pop("postgres", None)) is not None:
+        _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    if (folder := _templates.pop("sqlite folder", None)) is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+    _templates.clear()
+
+
+def _migrate(url: str) -> None:
+    from relayr.migrations import upgrade
+    from relayr.runtime.application import create_engine, migrate
+
+    async def made() -> None:
+        engine = create_engine(url)
+        try:
+            await migrate(engine)
+            await upgrade(engine)
+        finally:
+            await engine.dispose()
+
+    with ThreadPoolExecutor(max_workers=1) as pool:  # as _admin_execute: any loop may run
+        pool.submit(asyncio.run, made()).result()
 
 
 def _admin_execute(sql: str) -> None:
@@ -111,11 +185,13 @@ def _admin_execute(sql: str) -> None:
 
 
 @contextmanager
-def fresh_postgres_database() -> Iterator[str]:
-    """Create an empty database for one test and drop it after; yields its asyncpg URL."""
+def fresh_postgres_database(template: str | None = None) -> Iterator[str]:
+    """Create a database for one test, empty or a copy of ``template``, and drop it after;
+    yields its asyncpg URL."""
     require("PostgreSQL", PG_HOST, PG_PORT)
     name = f"relayr_{uuid.uuid4().hex[:12]}"
-    _admin_execute(f'CREATE DATABASE "{name}"')
+    copied = "" if template is None else f' TEMPLATE "{template}"'
+    _admin_execute(f'CREATE DATABASE "{name}"{copied}')
     try:
         yield f"postgresql+asyncpg://postgres@{PG_HOST}:{PG_PORT}/{name}"
     finally:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Final
 
+import pytest
 from kombu import Connection, Consumer, Queue
 
 from relayr.broker import layout
@@ -24,6 +25,8 @@ from relayr.broker.consumers import Holder, own_consumer_ids, recover_dead_consu
 from relayr.broker.filesystem import RECOVER_EVERY_S
 from tests.broker_files import QUEUE, connect, held, publish, waiting
 from tests.workers import REPO
+
+pytestmark = pytest.mark.process
 
 
 def test_a_sigkilled_consumer_s_messages_go_back_even_with_a_forked_child_alive(

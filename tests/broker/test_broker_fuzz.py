@@ -122,6 +122,7 @@ def test_only_kills_explain_a_message_taken_again(
     assert explained(Taken(takes, acks), killed={(0, 0)}) is ok
 
 
+@pytest.mark.process
 def test_many_producers_and_killed_consumers_lose_nothing_and_read_nothing_half(
     tmp_path: Path,
 ) -> None:

@@ -109,6 +109,7 @@ def test_every_command_is_listed() -> None:
     assert {path[0] for path in every_command() if path} == set(COMMANDS)
 
 
+@pytest.mark.process
 def test_help_imports_only_what_it_prints(environment: dict[str, str]) -> None:
     for command in every_command():
         assert imported(environment, *command, "--help") == set(), command
@@ -128,6 +129,7 @@ def test_help_shows_the_defaults_it_does_not_import() -> None:
             assert f"[default: {default:g}]" in text, (command, default)
 
 
+@pytest.mark.process
 def test_publish_loads_reflexr_and_no_artifactr(environment: dict[str, str]) -> None:
     data = json.dumps({"service": "api", "status": "ok", "thread_id": "thr_1"})
     loaded = imported(environment, "publish", "acme/ops", "deploy:finished", "--data", data)
@@ -135,6 +137,7 @@ def test_publish_loads_reflexr_and_no_artifactr(environment: dict[str, str]) -> 
     assert loaded.isdisjoint({"artifactr", "pydantic_ai", "celery"}), loaded
 
 
+@pytest.mark.process
 def test_publish_loads_nothing_of_opentelemetry_s_sdk_unless_traced(
     environment: dict[str, str],
 ) -> None:
@@ -153,12 +156,14 @@ def test_publish_loads_nothing_of_opentelemetry_s_sdk_unless_traced(
     }
 
 
+@pytest.mark.process
 def test_runs_list_and_allowlist_check_load_no_artifactr(environment: dict[str, str]) -> None:
     for command in (["runs", "list"], ["allowlist", "check"]):
         loaded = imported(environment, *command)
         assert loaded.isdisjoint({"artifactr", "pydantic_ai", "celery"}), (command, loaded)
 
 
+@pytest.mark.process
 def test_thread_commands_load_artifactr_and_no_reflexr(environment: dict[str, str]) -> None:
     loaded = imported(environment, "thread", "create", "acme/ops", "--title", "t")
     assert "artifactr" in loaded

@@ -35,6 +35,8 @@ from relayr.runtime.bridge import Bridge
 from tests.execution.test_actions import NOW, TENANT, WORKSPACE, Harness
 from tests.workers import REPO, relayr_environment
 
+pytestmark = pytest.mark.process
+
 WHERE = f"{TENANT}/{WORKSPACE}"
 
 

@@ -42,6 +42,7 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.process
 def test_a_process_is_ready_by_its_log_and_stops_warm(tmp_path: Path) -> None:
     process = RelayrProcess.start(
         [sys.executable, "-c", READY], name="ready", log_path=tmp_path / "ready.log"
@@ -52,6 +53,7 @@ def test_a_process_is_ready_by_its_log_and_stops_warm(tmp_path: Path) -> None:
     assert "ready." in process.log()
 
 
+@pytest.mark.process
 def test_a_process_that_exits_first_is_not_ready_and_says_why(tmp_path: Path) -> None:
     command = [sys.executable, "-c", "print('no settings here'); raise SystemExit(2)"]
     process = RelayrProcess.start(command, name="quitter", log_path=tmp_path / "quit.log")
@@ -61,6 +63,7 @@ def test_a_process_that_exits_first_is_not_ready_and_says_why(tmp_path: Path) ->
     assert process.wait(60) == 2
 
 
+@pytest.mark.process
 def test_a_process_that_ignores_sigterm_is_killed_with_its_session(tmp_path: Path) -> None:
     process = RelayrProcess.start(
         [sys.executable, "-c", STUBBORN], name="stubborn", log_path=tmp_path / "stubborn.log"

@@ -48,7 +48,7 @@ from tests.workers import relayr_environment
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 TOKEN = "console-defects-token-0123456789ab"
 

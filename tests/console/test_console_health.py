@@ -14,6 +14,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 from artifactr import ExternalAgentActor, UserActor
 from reflexr import SourceActor
 
@@ -23,6 +24,8 @@ from relayr.settings import Settings
 from rules.example import DeployFinished
 from tests.consoles import Client, relayr, running_console
 from tests.workers import relayr_environment
+
+pytestmark = pytest.mark.process
 
 TOKEN = "console-health-token-0123456789ab"
 

@@ -29,6 +29,8 @@ from tests.consoles import Client, Console, relayr, running_console
 from tests.ops_app import FIXED
 from tests.workers import relayr_environment
 
+pytestmark = pytest.mark.process
+
 TOKEN = "console-operations-token-0123456789"
 BACKUP = "ops:backup-check"
 ROW_LINK = r'<td data-label="Run"><a href="/run\?id=([^&]+)&amp;workspace=([^"]+)"'

@@ -28,6 +28,8 @@ from tests.console.console_http import SCRIPT, WHERE, environment_of
 from tests.console.test_console_phone import DESK, PHONE, WIDE, shots
 from tests.consoles import Client, Console, chromium, relayr, running_console
 
+pytestmark = pytest.mark.process
+
 
 def test_stored_markup_comes_back_as_text(read_only: tuple[Console, str]) -> None:
     console, thread = read_only

@@ -23,7 +23,7 @@ from tests.console.console_world import World, make_world
 from tests.consoles import chromium, relayr, running_console
 from tests.workers import relayr_environment
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 TOKEN = "console-phone-token-0123456789abcd"
 PHONE = {"width": 375, "height": 812}

@@ -19,6 +19,8 @@ from tests.console.console_http import environment_of
 from tests.consoles import Console, running_console
 from tests.workers import REPO
 
+pytestmark = pytest.mark.process
+
 
 def console_command(environment: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """``relayr console ARGS`` run to its end (it stops at once on bad input)."""

@@ -22,6 +22,8 @@ from tests.console.console_http import TOKEN, environment_of
 from tests.consoles import Client, Console, running_console
 from tests.workers import REPO
 
+pytestmark = pytest.mark.process
+
 
 def raw_post(console: Console, head: str, body: bytes) -> str:
     """Send a POST's ``head`` lines and ``body`` as they are; the status line of the answer."""

@@ -13,9 +13,13 @@ import re
 import time
 from urllib.parse import urlencode
 
+import pytest
+
 from relayr.console.security import LOGGED_IN_AT, SESSION_COOKIE, SESSION_MAX_AGE_S
 from tests.console.console_http import TOKEN
 from tests.consoles import Client, Console, signed_session
+
+pytestmark = pytest.mark.process
 
 PAGES = ("/runs", "/runs?status=dead", "/allowlist", "/health", "/login")
 ACTIONS = (

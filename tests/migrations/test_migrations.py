@@ -46,7 +46,7 @@ from relayr.ledger import limits as limit_store
 from relayr.ledger import sql as ledger_sql
 from relayr.ledger.port import Cause, WorkspaceKey
 from relayr.runtime.application import create_engine
-from tests.services import SQL_STORAGES, storage_url
+from tests.services import SQL_STORAGES, empty_storage_url
 from tests.workers import REPO, relayr_environment
 
 WORKSPACE = WorkspaceKey("acme", "ops")
@@ -158,7 +158,7 @@ def script() -> ScriptDirectory:
 
 @pytest.fixture(params=SQL_STORAGES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return storage_url(request, tmp_path)
+    return empty_storage_url(request, tmp_path)
 
 
 @pytest.fixture
@@ -298,6 +298,7 @@ async def test_upgrades_that_start_together_upgrade_once(database_url: str) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_processes_that_start_together_on_an_empty_database_need_no_extra_step(
     database_url: str, tmp_path: Path
 ) -> None:

@@ -172,6 +172,7 @@ def test_a_report_names_every_failure() -> None:
 
 
 @pytest.mark.redis
+@pytest.mark.process
 def test_health_fails_while_redis_is_down_and_passes_when_it_is_back(
     tmp_path: Path, redis_server: PrivateRedis
 ) -> None:
@@ -192,6 +193,7 @@ def test_health_fails_while_redis_is_down_and_passes_when_it_is_back(
     assert back.code == 0, back.output
 
 
+@pytest.mark.process
 def test_health_gives_up_on_a_broker_that_never_answers_within_its_timeout(
     tmp_path: Path, silent_server: int
 ) -> None:
@@ -211,6 +213,7 @@ def test_health_gives_up_on_a_broker_that_never_answers_within_its_timeout(
 
 
 @pytest.mark.postgres
+@pytest.mark.process
 def test_health_checks_postgresql(tmp_path: Path, postgres_url: str, redis_url: str) -> None:
     reachable = health_environment(tmp_path, broker_url=redis_url, database_url=postgres_url)
     assert health(reachable, "--timeout", "3").code == 0
@@ -224,6 +227,7 @@ def test_health_checks_postgresql(tmp_path: Path, postgres_url: str, redis_url: 
     assert "database: cannot reach postgresql+asyncpg://relayr:***@127.0.0.1" in refused.output
 
 
+@pytest.mark.process
 def test_a_sqlite_file_that_is_not_there_is_not_created(tmp_path: Path, redis_url: str) -> None:
     environment = health_environment(
         tmp_path, broker_url=redis_url, database_url=f"sqlite+aiosqlite:///{tmp_path}/other.db"
@@ -234,6 +238,7 @@ def test_a_sqlite_file_that_is_not_there_is_not_created(tmp_path: Path, redis_ur
     assert not (tmp_path / "other.db").exists()
 
 
+@pytest.mark.process
 def test_the_embedded_broker_is_healthy_when_its_folder_is_there(tmp_path: Path) -> None:
     environment = health_environment(tmp_path)
     assert "does not exist" in health(environment).output
@@ -241,6 +246,7 @@ def test_the_embedded_broker_is_healthy_when_its_folder_is_there(tmp_path: Path)
     assert health(environment).code == 0
 
 
+@pytest.mark.process
 def test_a_worker_is_alive_only_with_a_fresh_heartbeat(tmp_path: Path, redis_url: str) -> None:
     environment = health_environment(tmp_path, broker_url=redis_url)
     missing = health(environment, "--worker")
@@ -257,6 +263,7 @@ def test_a_worker_is_alive_only_with_a_fresh_heartbeat(tmp_path: Path, redis_url
     assert health(environment, "--worker", "--max-age", "600").code == 0
 
 
+@pytest.mark.process
 def test_liveness_checks_the_heartbeat_alone(tmp_path: Path) -> None:
     environment = health_environment(tmp_path, broker_url="redis://127.0.0.1:1/0")
     touch_heartbeat(heartbeat_path(tmp_path, "dispatcher"))
@@ -267,6 +274,7 @@ def test_liveness_checks_the_heartbeat_alone(tmp_path: Path) -> None:
     assert health(environment, "--liveness").code == 2  # which heartbeat? a usage error
 
 
+@pytest.mark.process
 def test_invalid_settings_are_named(tmp_path: Path) -> None:
     environment = health_environment(tmp_path, broker_url="amqp://nowhere")
     ran = health(environment)
@@ -311,6 +319,7 @@ def test_a_busy_worker_is_healthy_and_a_stopped_one_is_not(tmp_path: Path, redis
 
 
 @pytest.mark.redis
+@pytest.mark.process
 def test_relayr_health_is_the_same_command(tmp_path: Path, redis_url: str) -> None:
     environment = health_environment(tmp_path, broker_url=redis_url)
     ran = health(environment, "--timeout", "3", module="relayr.cli")

@@ -66,6 +66,7 @@ FORKED = textwrap.dedent(
 )
 
 
+@pytest.mark.process
 def test_values_of_forked_children_add_up_in_the_parent(tmp_path: Path) -> None:
     directory = tmp_path / "metrics"
     done = subprocess.run(

@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.process
 def test_the_command_line_benchmark_prints_each_command_and_its_reference() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench.cli", "--runs", "1", "--events", "10"],

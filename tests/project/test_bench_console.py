@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 RUNS: Final = 200
 
 
+@pytest.mark.process
 def test_bench_console_times_every_page() -> None:
     done = subprocess.run(
         [

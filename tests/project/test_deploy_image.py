@@ -30,6 +30,7 @@ def copied_sources() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.process
 def test_the_image_recipe_installs_and_runs(tmp_path: Path) -> None:
     instructions = dockerfile_instructions()
     (base,) = [arguments for keyword, arguments in instructions if keyword == "FROM"]

@@ -57,6 +57,7 @@ def test_every_manifest_parses() -> None:
         assert set(sections) == {"Unit", "Service", "Install"}, path.name
 
 
+@pytest.mark.process
 def test_systemd_accepts_the_units(tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:

@@ -88,6 +88,7 @@ def test_a_worker_that_executes_runs_loads_nothing_of_the_console_extra(tmp_path
 
 
 @pytest.mark.parametrize("missing", [EXTRA_MODULES, ("itsdangerous",)], ids=["all", "one"])
+@pytest.mark.process
 def test_console_without_the_extra_is_bad_input_naming_it(
     tmp_path: Path, missing: tuple[str, ...]
 ) -> None:
@@ -102,6 +103,7 @@ def test_console_without_the_extra_is_bad_input_naming_it(
     assert not (tmp_path / "home").exists()  # refused before the settings' storage is touched
 
 
+@pytest.mark.process
 def test_a_file_published_on_a_terminal_without_tqdm_shows_no_bar(tmp_path: Path) -> None:
     """On a terminal, ``relayr publish --data-file`` without the extra publishes every line."""
     import os

@@ -53,6 +53,7 @@ def _after_docstring(text: str, line: str) -> str:
     return f"{text[:end]}\n{line}\n{text[end:]}"
 
 
+@pytest.mark.process
 def test_the_tree_keeps_every_contract() -> None:
     done = lint_imports(REPO)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -80,6 +81,7 @@ def test_the_tree_keeps_every_contract() -> None:
         ("relayr/execution/executor.py", "import starlette", "Only the console and relayr publish"),
     ],
 )
+@pytest.mark.process
 def test_a_forbidden_import_breaks_make_check(
     copy: Path, module: str, line: str, contract: str
 ) -> None:

@@ -46,6 +46,7 @@ def test_unreadable_files(tmp_path: Path) -> None:
         assert raised.value.source == str(path)
 
 
+@pytest.mark.process
 def test_unreadable_for_permissions(tmp_path: Path) -> None:
     """A file the worker may not read is refused as such ("permission denied"), not as a
     missing or invalid one.

@@ -12,12 +12,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from artifactr import UserActor
 from artifactr import Workspaces as ArtifactWorkspaces
 from artifactr.core import MessagePosted
 from artifactr.sql import SqlStorage
 
 from relayr.runtime.application import create_engine
+
+pytestmark = pytest.mark.process
 
 NOTICES = 50
 

@@ -12,12 +12,12 @@ from sqlalchemy import inspect
 from relayr.runtime.application import create_engine, open_storage
 from relayr.settings import Settings
 from tests.example_runtime import settings_for
-from tests.services import SQL_STORAGES, STORAGES, storage_url
+from tests.services import SQL_STORAGES, STORAGES, empty_storage_url
 
 
 @pytest.fixture(params=STORAGES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return storage_url(request, tmp_path)
+    return empty_storage_url(request, tmp_path)
 
 
 @pytest.mark.parametrize("database_url", SQL_STORAGES, indirect=True)

@@ -15,12 +15,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import pytest
 from structlog.testing import capture_logs
 
 from relayr.cli.processes import RelayrProcess
 from relayr.observe.health import read_status, status_path
 from relayr.runtime.supervisor import RestartPolicy, WorkerSupervisor
 from tests.supervised import WAIT_S, wait_for
+
+pytestmark = pytest.mark.process
 
 EXITING = "import sys; sys.exit(1)"
 STAYING = "import time; time.sleep(600)"
