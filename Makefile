@@ -37,7 +37,7 @@ format: $(STAMP)
 # most of a worker test's time is spent waiting on its processes (each test makes its own
 # queue, database, folder and ports, so modules run side by side)
 test: check
-	$(BIN)/pytest -n 2 --dist loadfile
+	$(BIN)/pytest -n 2 --dist loadfile --durations=40
 
 # a developer's loop: the tests that start no process and need no server (README), a module per
 # xdist process
