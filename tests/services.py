@@ -5,6 +5,10 @@ A test that needs a service skips when it is down and the tests run by hand, but
 ``CI=true``: CI must never pass by testing nothing. So does a test that needs a program
 (:func:`require_program`), such as ``redis-server`` for a Redis of the test's own.
 
+A test's SQL database is its own: a copy of one migrated once per test process
+(:func:`storage_url`, the fixture ``migrated_postgres_url``), or an empty one for the tests of
+the migrations (:func:`empty_storage_url`, ``postgres_url``).
+
 Tests share the machine's Redis, each on a queue of its own (:mod:`tests.workers`), and leave it
 as they found it: :func:`forgetting_redis_queue` removes every key kombu and relayr made for a
 test's queue, however the test ended.
@@ -120,6 +124,7 @@ _templates: dict[str, str] = {}
 
 
 def _sqlite_template() -> str:
+    """The path of this process's migrated SQLite file, to copy; made at the first call."""
     if "sqlite" not in _templates:
         folder = Path(tempfile.mkdtemp(prefix="relayr-template-"))
         _templates["sqlite folder"] = str(folder)  # for drop_templates, even if this fails
