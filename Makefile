@@ -35,10 +35,9 @@ format: $(STAMP)
 
 # the whole suite, a test module per xdist process: two of them, as the 2-core machine has, since
 # most of a worker test's time is spent waiting on its processes (each test makes its own
-# queue, database, folder and ports, so modules run side by side); the modules with the most
-# slow tests first, in tests/conftest.py's order (xdist would put the most tests first)
+# queue, database, folder and ports, so modules run side by side)
 test: check
-	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=40
+	$(BIN)/pytest -n 2 --dist loadfile --durations=40
 
 # a developer's loop: the tests that start no process and need no server (README), a module per
 # xdist process

@@ -1,5 +1,4 @@
 import sys
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
@@ -57,15 +56,10 @@ parametrized by ``tests.services.STORAGES`` marks its PostgreSQL case itself).""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test that takes a server, then put the modules with the most slow tests
-    first: xdist hands out a module at a time in this order, so the longest start at once and
-    the run does not end with one process still working through them."""
+    """Mark each test that takes a server."""
     for item in items:
         for name in sorted(set(SERVICE_FIXTURES).intersection(getattr(item, "fixturenames", ()))):
             item.add_marker(SERVICE_FIXTURES[name])
-    slow = Counter(str(item.path) for item in items if item.get_closest_marker("slow"))
-    order = {item: index for index, item in enumerate(items)}
-    items.sort(key=lambda item: (-slow[str(item.path)], order[item]))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
