@@ -15,12 +15,15 @@ for a condition that fails at once, with the logs, if a process it needs died
 """
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Final
+
+import structlog
 
 from relayr.cli import processes
 from relayr.cli.processes import READY_TIMEOUT_S, STOP_TIMEOUT_S, RelayrProcess, relayr_command
@@ -37,6 +40,7 @@ __all__ = [
     "RelayrProcess",
     "log_records",
     "relayr_environment",
+    "relayr_here",
     "running_dispatcher",
     "running_worker",
     "start_worker",
@@ -64,6 +68,31 @@ def relayr_environment(home: Path, **settings: object) -> dict[str, str]:
         "dispatch_interval_s": 0.5,
     }
     return processes.settings_environment(**{**defaults, **settings})
+
+
+def relayr_here(environment: Mapping[str, str], *args: str) -> Any:
+    """``relayr ARGS --json`` in this process (click's runner), its last line parsed; it must
+    exit 0.
+
+    For the reads a test polls while its processes work: as a process, each would be a Python
+    start (0.8 s of CPU) every :data:`POLL_S`, most of a core beside the processes under test.
+    The command configures logging as a process's main would; this process's is put back.
+    """
+    from click.testing import CliRunner
+
+    from relayr.cli import cli
+
+    root = logging.getLogger()
+    handlers, level, config = root.handlers[:], root.level, structlog.get_config()
+    try:
+        result = CliRunner().invoke(
+            cli, [*args, "--json"], env=dict(environment), catch_exceptions=False
+        )
+    finally:
+        root.handlers, root.level = handlers, level
+        structlog.configure(**config)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def start_worker(

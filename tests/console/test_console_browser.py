@@ -29,7 +29,7 @@ import pytest
 from tests.console_app import HOSTILE_REASON
 from tests.consoles import Console, chromium, dispatching, relayr, running_console, until
 from tests.ops_app import FIXED
-from tests.workers import relayr_environment, running_worker
+from tests.workers import relayr_environment, relayr_here, running_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
@@ -62,7 +62,8 @@ def environment_of(home: Path, **settings: object) -> dict[str, str]:
 
 
 def runs(environment: dict[str, str], *filters: str) -> list[dict[str, Any]]:
-    found: list[dict[str, Any]] = relayr(environment, "runs", "list", *filters)
+    """``relayr runs list``, in this process: tests poll it."""
+    found: list[dict[str, Any]] = relayr_here(environment, "runs", "list", *filters)
     return found
 
 

@@ -27,6 +27,7 @@ from tests.workers import (
     REPO,
     log_records,
     relayr_environment,
+    relayr_here,
     running_dispatcher,
     running_worker,
     until,
@@ -59,7 +60,8 @@ def relayr(environment: dict[str, str], *args: str, check: bool = True) -> Any:
 
 
 def runs(environment: dict[str, str], *filters: str) -> list[dict[str, Any]]:
-    found: list[dict[str, Any]] = relayr(
+    """``relayr runs list`` of the workspace, in this process: tests poll it."""
+    found: list[dict[str, Any]] = relayr_here(
         environment, "runs", "list", "--workspace", WHERE, *filters
     )
     return found
@@ -159,7 +161,7 @@ def test_b_a_send_killed_between_commit_and_ask_gets_one_message_and_one_turn(
         ended(environment, "ops:crash-send", "succeeded", worker, dispatcher)
 
         def turned() -> list[dict[str, Any]] | None:
-            report = relayr(environment, "runs", "show", dead["id"])
+            report = relayr_here(environment, "runs", "show", dead["id"])
             done = [t for t in report["turns"] if t["status"] == "completed"]
             return report["turns"] if done else None
 
