@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Final
@@ -78,20 +79,24 @@ def relayr_here(environment: Mapping[str, str], *args: str) -> Any:
     start (0.8 s of CPU) every :data:`POLL_S`, most of a core beside the processes under test.
     The command configures logging as a process's main would; this process's is put back.
     """
-    from click.testing import CliRunner
+    from click.testing import CliRunner, Result
 
     from relayr.cli import cli
+
+    def invoke() -> Result:
+        return CliRunner().invoke(cli, [*args, "--json"], env=dict(environment))
 
     root = logging.getLogger()
     handlers, level, config = root.handlers[:], root.level, structlog.get_config()
     try:
-        result = CliRunner().invoke(
-            cli, [*args, "--json"], env=dict(environment), catch_exceptions=False
-        )
+        # a thread of its own: the command runs its event loop, and the caller may be in one
+        # (Playwright's sync API runs one in the test's thread)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            result = pool.submit(invoke).result()
     finally:
         root.handlers, root.level = handlers, level
         structlog.configure(**config)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0, f"{result.output}{result.exception!r}"
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
