@@ -9,9 +9,10 @@ context manager stops it with SIGTERM (a warm shutdown), and kills its whole pro
 it is still there after the timeout, even when the test failed.
 
 The same holds for ``relayr dispatch`` (:func:`running_dispatcher`). What the tests read of
-these processes is shared too: their JSON log lines (:func:`log_records`), and a bounded wait
+these processes is shared too: their JSON log lines (:func:`log_records`), a bounded wait
 for a condition that fails at once, with the logs, if a process it needs died
-(:func:`until`).
+(:func:`until`), and a relayr command run in the test's own process for the reads it polls
+(:func:`relayr_here`).
 """
 
 import json

@@ -5,7 +5,8 @@ nothing, (e) ``allowlist check`` names every problem with its key.
 
 Every step is the command a person would type: ``relayr dispatch`` and a ``celery worker`` run
 as subprocesses, and the test drives them with ``relayr publish``, ``relayr thread``,
-``relayr runs`` and ``relayr allowlist``, reading their ``--json`` output. Storage is SQLite
+``relayr runs`` and ``relayr allowlist``, reading their ``--json`` output (what it polls, it
+runs in its own process: :func:`tests.workers.relayr_here`). Storage is SQLite
 and PostgreSQL; the broker is the embedded one, or Redis where the scenario kills a worker.
 """
 
