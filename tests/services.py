@@ -21,7 +21,7 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -97,14 +97,13 @@ def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
     A test of the migrations themselves takes :func:`empty_storage_url`.
     """
-    if request.param == "memory":
-        return "memory://"
+    if request.param == "postgres":
+        url = request.getfixturevalue("migrated_postgres_url")
+        assert isinstance(url, str)
+        return url
+    url = empty_storage_url(request, tmp_path)
     if request.param == "sqlite":
-        database = tmp_path / "relayr.db"
-        shutil.copyfile(_sqlite_template(), database)
-        return f"sqlite+aiosqlite:///{database}"
-    url = request.getfixturevalue("migrated_postgres_url")
-    assert isinstance(url, str)
+        shutil.copyfile(_sqlite_template(), tmp_path / "relayr.db")
     return url
 
 
@@ -172,8 +171,7 @@ def _migrate(url: str) -> None:
         finally:
             await engine.dispose()
 
-    with ThreadPoolExecutor(max_workers=1) as pool:  # as _admin_execute: any loop may run
-        pool.submit(asyncio.run, made()).result()
+    _run_in_a_thread(made())
 
 
 def _admin_execute(sql: str) -> None:
@@ -184,9 +182,14 @@ def _admin_execute(sql: str) -> None:
         finally:
             await connection.close()
 
-    # its own thread, so a fixture may call it while a test's event loop runs
+    _run_in_a_thread(execute())
+
+
+def _run_in_a_thread(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` to its end on an event loop of its own, in a thread of its own, so that a
+    fixture may call this while a test's event loop runs."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pool.submit(asyncio.run, execute()).result()
+        pool.submit(asyncio.run, work).result()
 
 
 @contextmanager
