@@ -17,8 +17,6 @@ import http.cookiejar
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -111,21 +109,6 @@ def until[T](probe: Callable[[], T | None], what: str, timeout_s: float = WAIT_S
             return found
         time.sleep(0.3)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def relayr(environment: Mapping[str, str], *args: str) -> Any:
-    """Run ``relayr ARGS --json``; it must exit 0; its last line, parsed."""
-    done = subprocess.run(
-        [sys.executable, "-m", "relayr.cli", *args, "--json"],
-        cwd=REPO,
-        env=dict(environment),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr + done.stdout
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @contextmanager

@@ -11,12 +11,14 @@ it is still there after the timeout, even when the test failed.
 The same holds for ``relayr dispatch`` (:func:`running_dispatcher`). What the tests read of
 these processes is shared too: their JSON log lines (:func:`log_records`), a bounded wait
 for a condition that fails at once, with the logs, if a process it needs died
-(:func:`until`), and a relayr command run in the test's own process for the reads it polls
+(:func:`until`), and relayr's commands: as a process of their own (:func:`relayr_json`,
+:func:`relayr_output`), or in the test's own process for the reads it polls
 (:func:`relayr_here`).
 """
 
 import json
 import logging
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +45,8 @@ __all__ = [
     "log_records",
     "relayr_environment",
     "relayr_here",
+    "relayr_json",
+    "relayr_output",
     "running_dispatcher",
     "running_worker",
     "start_worker",
@@ -99,6 +103,32 @@ def relayr_here(environment: Mapping[str, str], *args: str) -> Any:
         structlog.configure(**config)
     assert result.exit_code == 0, f"{result.output}{result.exception!r}"
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def relayr_output(
+    environment: Mapping[str, str], *args: str, cwd: Path = REPO, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """``relayr ARGS`` as a process of its own (a ``relayr-cli``, as an operator runs it), in
+    ``cwd``; unless ``check`` is false, it must exit 0."""
+    done = subprocess.run(
+        relayr_command(*args),
+        cwd=cwd,
+        env=dict(environment),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if check:
+        assert done.returncode == 0, done.stderr + done.stdout
+    return done
+
+
+def relayr_json(environment: Mapping[str, str], *args: str, check: bool = True) -> Any:
+    """``relayr ARGS --json`` as a process of its own, its last line parsed (``None`` when it
+    printed nothing); unless ``check`` is false, it must exit 0."""
+    printed = relayr_output(environment, *args, "--json", check=check).stdout.strip()
+    return json.loads(printed.splitlines()[-1]) if printed else None
 
 
 def start_worker(

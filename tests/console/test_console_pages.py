@@ -26,7 +26,8 @@ from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.console.console_http import SCRIPT, WHERE, environment_of
 from tests.console.test_console_phone import DESK, PHONE, WIDE, shots
-from tests.consoles import Client, Console, chromium, relayr, running_console
+from tests.consoles import Client, Console, chromium, running_console
+from tests.workers import relayr_json
 
 pytestmark = pytest.mark.process
 
@@ -90,7 +91,7 @@ def test_a_run_id_two_workspaces_hold_is_shown_with_its_workspace_only(tmp_path:
     environment = environment_of(tmp_path)
     data = json.dumps({"thread_id": "thr_1", "payload": "same"})
     for where in ("acme/ops", "acme/billing"):
-        relayr(environment, "publish", where, "consolew:hostile", "--data", data)
+        relayr_json(environment, "publish", where, "consolew:hostile", "--data", data)
 
     async def fired() -> set[str]:
         runtime = await Runtime.start(Settings.from_env(environment), role="cli")
@@ -134,7 +135,7 @@ def test_the_limits_page_and_the_runs_a_limit_holds_back(tmp_path: Path) -> None
     environment = environment_of(tmp_path, allowlist=allowlist)
     for payload in ("first", "second"):
         data = json.dumps({"thread_id": "thr_1", "payload": payload})
-        relayr(environment, "publish", WHERE, "consolew:hostile", "--data", data)
+        relayr_json(environment, "publish", WHERE, "consolew:hostile", "--data", data)
 
     async def one_waits() -> str:
         runtime = await Runtime.start(Settings.from_env(environment), role="cli")

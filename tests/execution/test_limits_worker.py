@@ -20,8 +20,6 @@ rest waiting for the hour to move; the tokens counted are the sum of the turns' 
 
 import asyncio
 import json
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -41,7 +39,13 @@ from relayr.settings import Settings
 from rules.example.events import IncidentOpened
 from tests.execution.limits_app import create_clocked_app, create_looping_app, set_clock
 from tests.services import forgetting_redis_queue
-from tests.workers import REPO, RelayrProcess, relayr_environment, running_dispatcher, start_worker
+from tests.workers import (
+    RelayrProcess,
+    relayr_environment,
+    relayr_json,
+    running_dispatcher,
+    start_worker,
+)
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -231,27 +235,13 @@ async def until(
         await asyncio.sleep(0.3)
 
 
-def relayr(environment: dict[str, str], *args: str) -> Any:
-    """``relayr ARGS --json``'s parsed output."""
-    done = subprocess.run(
-        [sys.executable, "-m", "relayr.cli", *args, "--json"],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr + done.stdout
-    return json.loads(done.stdout)
-
-
 def ops_see_the_first_minute(environment: dict[str, str]) -> None:
     """After the first minute: ten turns used, the ninety others wait, each saying why and
     when its turn in the line comes: ten at each of the next nine minutes (ADR-0118)."""
-    [use] = relayr(environment, "limits")
+    [use] = relayr_json(environment, "limits")
     assert (use["limit"], use["kind"], use["bound"]) == ("limits.triage", "turns_per", "10/1m")
     assert (use["used"], use["waiting"]) == (PER_MINUTE, INCIDENTS - PER_MINUTE)
-    waiting = relayr(environment, "runs", "list", "--status", "pending", "--limit", "1000")
+    waiting = relayr_json(environment, "runs", "list", "--status", "pending", "--limit", "1000")
     assert len(waiting) == INCIDENTS - PER_MINUTE
     assert Counter(row["waiting"] for row in waiting) == {
         f"waiting: turns_per 10/1m of limits.triage, next at {at.isoformat()}": PER_MINUTE
@@ -483,7 +473,7 @@ async def tokens_scenario(environment: dict[str, str]) -> None:
                 assert done == incidents or sum(hours) >= TOKEN_BUDGET
                 [tokens] = [
                     use
-                    for use in await asyncio.to_thread(relayr, environment, "limits")
+                    for use in await asyncio.to_thread(relayr_json, environment, "limits")
                     if use["kind"] == "tokens_per"
                 ]
                 assert tokens["used"] == sum(hours)  # what the turns' usage says they spent
@@ -575,7 +565,7 @@ async def chain_scenario(environment: dict[str, str]) -> None:
             assert f"relayr runs cancel {wait.run.run_id}" in notice
 
             # an operator's retry makes it due now: refused again, and no second notice
-            await asyncio.to_thread(relayr, environment, "runs", "retry", wait.run.run_id)
+            await asyncio.to_thread(relayr_json, environment, "runs", "retry", wait.run.run_id)
 
             async def refused_again() -> bool:
                 return await refusals(wait.run.run_id) >= 2 and len(await store.waiting()) == 1

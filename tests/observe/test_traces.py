@@ -17,21 +17,20 @@ needs (the ``relayr.turn`` span, then the spans of every process) until it is th
 """
 
 import json
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from relayr.cli.processes import relayr_command
 from rules.example.agent import REPLY
 from tests.otlp import ReceivedSpan, Receiver, receiving
 from tests.services import forgetting_redis_queue
 from tests.workers import (
-    REPO,
     log_records,
     relayr_environment,
+    relayr_json,
+    relayr_output,
     running_dispatcher,
     running_worker,
     until,
@@ -43,22 +42,6 @@ WAIT_S = 240.0
 """How long any one wait may take: far above what it needs on a quiet machine (seconds)."""
 
 TENANT_WORKSPACE = "acme/ops"
-
-
-def relayr(environment: dict[str, str], *args: str, cwd: Path = REPO) -> str:
-    """``relayr ARGS`` as a command of its own (a ``relayr-cli`` process), in ``cwd``; its
-    stdout."""
-    done = subprocess.run(
-        relayr_command(*args),
-        cwd=cwd,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
 
 
 def ancestors(span: ReceivedSpan, by_id: dict[str, ReceivedSpan]) -> Iterator[ReceivedSpan]:
@@ -98,17 +81,17 @@ def test_one_trace_from_the_publish_to_the_turn_s_end(
 ) -> None:
     receiver, environment = traced
     secret = f"checkout-{uuid.uuid4().hex}"
-    created = relayr(environment, "thread", "create", TENANT_WORKSPACE, "--title", "incident")
-    thread_id = json.loads(created)["id"] if created.startswith("{") else created.strip()
+    created = relayr_json(environment, "thread", "create", TENANT_WORKSPACE, "--title", "incident")
+    thread_id = created["id"]
     with (
         running_worker(environment, tmp_path, concurrency=1) as worker,
         running_dispatcher(environment, tmp_path) as dispatching,
     ):
         data = json.dumps({"title": secret, "thread_id": thread_id})
-        published = relayr(
-            environment, "publish", TENANT_WORKSPACE, "incident:opened", "--data", data, "--json"
+        published = relayr_json(
+            environment, "publish", TENANT_WORKSPACE, "incident:opened", "--data", data
         )
-        event_id = json.loads(published)["id"]
+        event_id = published["id"]
 
         def publish_span() -> ReceivedSpan | None:
             return next(
@@ -238,7 +221,7 @@ def test_a_traced_demo_exports_its_publish_and_enqueue_with_the_workers_runs(
     with receiving() as receiver:
         environment = relayr_environment(tmp_path)
         environment["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
-        relayr(environment, "demo", "--runs", "4", "--json", cwd=tmp_path)
+        relayr_output(environment, "demo", "--runs", "4", "--json", cwd=tmp_path)
 
         def both_ends() -> list[ReceivedSpan] | None:
             spans = receiver.spans()

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from tests.ops.test_ops_worker import WAIT_S, WHERE, by, ended, relayr, runs
+from tests.ops.test_ops_worker import WAIT_S, WHERE, by, ended, runs
 from tests.ops_app import DIE_CONTENT
-from tests.workers import relayr_environment, running_dispatcher, running_worker, until
+from tests.workers import relayr_environment, relayr_json, running_dispatcher, running_worker, until
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(900)]
 """Far above what a scenario needs: each step is a command a person types, a few seconds each
@@ -49,14 +49,14 @@ def environment(tmp_path: Path, database: dict[str, object], **settings: object)
 
 
 def sent_messages(env: dict[str, str], thread: str) -> list[dict[str, Any]]:
-    return by(AUTHOR, relayr(env, "thread", "show", WHERE, thread))
+    return by(AUTHOR, relayr_json(env, "thread", "show", WHERE, thread))
 
 
 def check_records(env: dict[str, str], run_id: str, thread: str) -> list[dict[str, Any]]:
     """The run's records as ``runs show`` reads them (each validated as it is read)."""
     [message] = sent_messages(env, thread)
     assert (message["kind"], message["content"]) == ("message", DIE_CONTENT)
-    records: list[dict[str, Any]] = relayr(env, "runs", "show", run_id)["emissions"]
+    records: list[dict[str, Any]] = relayr_json(env, "runs", "show", run_id)["emissions"]
     assert records, "the send left no emission record"
     assert all(r["message_id"] == message["id"] for r in records)
     attempts = [r["attempt"] for r in records]
@@ -76,16 +76,18 @@ def test_a_send_whose_worker_died_and_whose_run_ops_cancelled_keeps_its_record(
     tmp_path: Path, database: dict[str, object]
 ) -> None:
     env = environment(tmp_path, database)
-    thread = relayr(env, "thread", "create", WHERE, "--title", "disk")["id"]
+    thread = relayr_json(env, "thread", "create", WHERE, "--title", "disk")["id"]
     with running_worker(env, tmp_path) as worker, running_dispatcher(env, tmp_path):
-        relayr(env, "publish", WHERE, "opsw:disk_full", "--data", json.dumps({"thread_id": thread}))
+        relayr_json(
+            env, "publish", WHERE, "opsw:disk_full", "--data", json.dumps({"thread_id": thread})
+        )
         until("the send's message", lambda: sent_messages(env, thread) or None, timeout_s=WAIT_S)
         [running] = until(
             "the run, running", lambda: runs(env, "--rule", RULE) or None, timeout_s=WAIT_S
         )
         # redeliveries may have begun other attempts meanwhile, dying as the first did
         assert running["status"] in ("running", "retrying", "pending", "dead"), running
-        relayr(env, "runs", "cancel", running["id"])
+        relayr_json(env, "runs", "cancel", running["id"])
         [cancelled] = ended(env, RULE, "cancelled")
         assert worker.alive()  # the pool process died, not the worker
 
@@ -97,12 +99,14 @@ def test_a_send_whose_run_failed_worker_lost_and_ops_skipped_keeps_its_records(
     tmp_path: Path, database: dict[str, object]
 ) -> None:
     env = environment(tmp_path, database, lease_ttl_s=2.0, max_redeliveries=1)
-    thread = relayr(env, "thread", "create", WHERE, "--title", "disk")["id"]
+    thread = relayr_json(env, "thread", "create", WHERE, "--title", "disk")["id"]
     with running_worker(env, tmp_path), running_dispatcher(env, tmp_path):
-        relayr(env, "publish", WHERE, "opsw:disk_full", "--data", json.dumps({"thread_id": thread}))
+        relayr_json(
+            env, "publish", WHERE, "opsw:disk_full", "--data", json.dumps({"thread_id": thread})
+        )
         [dead] = ended(env, RULE, "dead")
         assert dead["reason"] in ("worker_lost", "abandoned"), dead
-        relayr(env, "runs", "skip", dead["id"], "--reason", "disk replaced")
+        relayr_json(env, "runs", "skip", dead["id"], "--reason", "disk replaced")
         ended(env, RULE, "skipped")
 
     check_records(env, dead["id"], thread)

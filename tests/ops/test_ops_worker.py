@@ -29,6 +29,7 @@ from tests.workers import (
     log_records,
     relayr_environment,
     relayr_here,
+    relayr_json,
     running_dispatcher,
     running_worker,
     until,
@@ -43,21 +44,6 @@ WAIT_S = 90.0
 GRANTED = '[rules."ops:crash-send"]\nturns = true\n[rules."ops:incident-triage"]\nturns = true\n'
 REVOKED = '[rules."ops:crash-send"]\nturns = true\n[rules."ops:incident-triage"]\n'
 BROKEN = '[rules."ops:incident-triage"]\nturns = "yes"\nwake = true\n[namespaces.reflexr]\n'
-
-
-def relayr(environment: dict[str, str], *args: str, check: bool = True) -> Any:
-    """Run ``relayr ARGS --json`` and return its parsed output."""
-    done = subprocess.run(
-        [sys.executable, "-m", "relayr.cli", *args, "--json"],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if check:
-        assert done.returncode == 0, done.stderr + done.stdout
-    return json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else None
 
 
 def runs(environment: dict[str, str], *filters: str) -> list[dict[str, Any]]:
@@ -107,12 +93,12 @@ def environment(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str
 def test_a_a_dead_run_retried_by_ops_posts_exactly_one_notice(
     environment: dict[str, str], tmp_path: Path
 ) -> None:
-    thread = relayr(environment, "thread", "create", WHERE, "--title", "backups")["id"]
+    thread = relayr_json(environment, "thread", "create", WHERE, "--title", "backups")["id"]
     with (
         running_worker(environment, tmp_path) as worker,
         running_dispatcher(environment, tmp_path) as dispatcher,
     ):
-        relayr(
+        relayr_json(
             environment,
             "publish",
             WHERE,
@@ -125,18 +111,20 @@ def test_a_a_dead_run_retried_by_ops_posts_exactly_one_notice(
         assert "backup host is down" in dead["error"]
 
         (tmp_path / FIXED).touch()
-        [retried] = relayr(environment, "runs", "retry", "--dead", "--rule", "ops:backup-check")
+        [retried] = relayr_json(
+            environment, "runs", "retry", "--dead", "--rule", "ops:backup-check"
+        )
         assert (retried["run_id"], retried["ok"]) == (dead["id"], True)
         ended(environment, "ops:backup-check", "succeeded", worker, dispatcher)
 
-    transcript = relayr(environment, "thread", "show", WHERE, thread)
+    transcript = relayr_json(environment, "thread", "show", WHERE, thread)
     notices = by("external_agent:reflexr:ops:backup-check", transcript)
     assert [(n["kind"], n["content"]) for n in notices] == [
         ("notice", "checking the nightly backup")
     ]
-    report = relayr(environment, "runs", "show", dead["id"])
+    report = relayr_json(environment, "runs", "show", dead["id"])
     assert [a["outcome"] for a in report["attempts"]] == ["failed", "dead", "succeeded"]
-    again = relayr(environment, "runs", "retry", dead["id"], check=False)
+    again = relayr_json(environment, "runs", "retry", dead["id"], check=False)
     assert again[0]["ok"] is False
     assert "succeeded" in again[0]["detail"]
 
@@ -146,19 +134,19 @@ def test_b_a_send_killed_between_commit_and_ask_gets_one_message_and_one_turn(
     environment: dict[str, str], tmp_path: Path, redis_url: str
 ) -> None:
     environment = {**environment, "RELAYR_BROKER_URL": redis_url}
-    thread = relayr(environment, "thread", "create", WHERE, "--title", "incident")["id"]
+    thread = relayr_json(environment, "thread", "create", WHERE, "--title", "incident")["id"]
     with (
         forgetting_redis_queue(environment["RELAYR_QUEUE"], url=redis_url),
         running_worker(environment, tmp_path) as worker,
         running_dispatcher(environment, tmp_path) as dispatcher,
     ):
-        relayr(
+        relayr_json(
             environment, "publish", WHERE, "opsw:lost", "--data", json.dumps({"thread_id": thread})
         )
         [dead] = ended(environment, "ops:crash-send", "dead", worker, dispatcher)
         assert dead["reason"] in ("worker_lost", "abandoned"), dead
         (tmp_path / FIXED).touch()
-        relayr(environment, "runs", "retry", dead["id"])
+        relayr_json(environment, "runs", "retry", dead["id"])
         ended(environment, "ops:crash-send", "succeeded", worker, dispatcher)
 
         def turned() -> list[dict[str, Any]] | None:
@@ -169,7 +157,7 @@ def test_b_a_send_killed_between_commit_and_ask_gets_one_message_and_one_turn(
         turns = until("the retried send's turn to complete", turned, worker, timeout_s=WAIT_S)
         assert worker.alive()
 
-    transcript = relayr(environment, "thread", "show", WHERE, thread)
+    transcript = relayr_json(environment, "thread", "show", WHERE, thread)
     sent = by("external_agent:reflexr:ops:crash-send", transcript)
     replies = [e for e in transcript if e["author"].startswith("agent:")]
     assert [(m["kind"], m["content"]) for m in sent] == [("message", CRASH_CONTENT)]
@@ -182,11 +170,11 @@ def test_c_explain_names_the_namespace_that_granted(tmp_path: Path) -> None:
     allowlist = tmp_path / "allowlist.toml"
     allowlist.write_text('[namespaces.ops]\nturns = true\n[rules."ops:quiet"]\n')
     environment = relayr_environment(tmp_path, allowlist=allowlist)
-    granted = relayr(environment, "allowlist", "explain", "ops:deploy-notice")
+    granted = relayr_json(environment, "allowlist", "explain", "ops:deploy-notice")
     assert granted["allowlist"]["turns"] is True
     assert granted["fields"]["turns"]["kind"] == "namespace"
     assert granted["fields"]["turns"]["key"] == "namespaces.ops"
-    quiet = relayr(environment, "allowlist", "explain", "ops:quiet")
+    quiet = relayr_json(environment, "allowlist", "explain", "ops:quiet")
     assert quiet["allowlist"]["turns"] is False
     assert quiet["fields"]["turns"]["kind"] == "builtin"
 
@@ -197,11 +185,11 @@ def test_d_revoking_turns_stops_the_next_send_and_a_broken_file_changes_nothing(
     allowlist = tmp_path / "allowlist.toml"
     allowlist.write_text(GRANTED)
     environment = relayr_environment(tmp_path, allowlist=allowlist)
-    thread = relayr(environment, "thread", "create", WHERE, "--title", "incidents")["id"]
+    thread = relayr_json(environment, "thread", "create", WHERE, "--title", "incidents")["id"]
 
     def incident(title: str) -> None:
         data = json.dumps({"title": title, "thread_id": thread})
-        relayr(environment, "publish", WHERE, "incident:opened", "--data", data)
+        relayr_json(environment, "publish", WHERE, "incident:opened", "--data", data)
 
     with (
         running_worker(environment, tmp_path) as worker,
@@ -229,7 +217,7 @@ def test_d_revoking_turns_stops_the_next_send_and_a_broken_file_changes_nothing(
         assert refused["reason"] == "not_allowed"
         assert worker.alive()
 
-    transcript = relayr(environment, "thread", "show", WHERE, thread)
+    transcript = relayr_json(environment, "thread", "show", WHERE, thread)
     sent = by("external_agent:reflexr:ops:incident-triage", transcript)
     assert [m["content"] for m in sent] == [
         "Triage incident: first",

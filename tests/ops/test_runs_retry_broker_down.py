@@ -23,9 +23,9 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from relayr.cli.runs import BROKER_TRIES
 from relayr.runtime.transient import is_transient
 from tests.faults.private_redis import PrivateRedis
-from tests.ops.test_ops_worker import GRANTED, WHERE, ended, relayr, runs
+from tests.ops.test_ops_worker import GRANTED, WHERE, ended, runs
 from tests.ops_app import FIXED
-from tests.workers import REPO, relayr_environment, running_dispatcher, running_worker
+from tests.workers import REPO, relayr_environment, relayr_json, running_dispatcher, running_worker
 
 RULE = "ops:backup-check"
 
@@ -69,20 +69,20 @@ def test_a_retry_with_the_broker_down_leaves_the_run_pending_for_the_dispatcher(
         broker_url=redis_server.url,
         lease_ttl_s=2.0,
     )
-    thread = relayr(environment, "thread", "create", WHERE, "--title", "backups")["id"]
+    thread = relayr_json(environment, "thread", "create", WHERE, "--title", "backups")["id"]
     data = json.dumps({"thread_id": thread})
     with running_worker(environment, tmp_path), running_dispatcher(environment, tmp_path):
-        relayr(environment, "publish", WHERE, "opsw:backup", "--data", data)
+        relayr_json(environment, "publish", WHERE, "opsw:backup", "--data", data)
         [dead] = ended(environment, RULE, "dead")
         # a second run that succeeds: it must be left as it is
         (tmp_path / FIXED).touch()
-        relayr(environment, "publish", WHERE, "opsw:backup", "--data", data)
+        relayr_json(environment, "publish", WHERE, "opsw:backup", "--data", data)
         ended(environment, RULE, "succeeded")
         (tmp_path / FIXED).unlink()
 
     before = every_run(environment)
-    transcript_before = relayr(environment, "thread", "show", WHERE, thread)
-    report_before = relayr(environment, "runs", "show", dead["id"])
+    transcript_before = relayr_json(environment, "thread", "show", WHERE, thread)
+    report_before = relayr_json(environment, "runs", "show", dead["id"])
     assert before[dead["id"]]["status"] == "dead"
 
     redis_server.kill()
@@ -117,8 +117,8 @@ def test_a_retry_with_the_broker_down_leaves_the_run_pending_for_the_dispatcher(
         retried["updated_at"]
     ), "the retried run is due at once"
     assert after == {key: row for key, row in before.items() if key != dead["id"]}
-    assert relayr(environment, "thread", "show", WHERE, thread) == transcript_before
-    report_after = relayr(environment, "runs", "show", dead["id"])
+    assert relayr_json(environment, "thread", "show", WHERE, thread) == transcript_before
+    report_after = relayr_json(environment, "runs", "show", dead["id"])
     assert report_after["attempts"] == report_before["attempts"]
     assert report_after["emissions"] == report_before["emissions"]
 
@@ -129,11 +129,11 @@ def test_a_retry_with_the_broker_down_leaves_the_run_pending_for_the_dispatcher(
     (tmp_path / FIXED).touch()
     with running_worker(environment, tmp_path), running_dispatcher(environment, tmp_path):
         ended(environment, RULE, "succeeded", count=2)
-    report = relayr(environment, "runs", "show", dead["id"])
+    report = relayr_json(environment, "runs", "show", dead["id"])
     assert [a["outcome"] for a in report["attempts"]] == ["failed", "dead", "succeeded"]
     notices = [
         entry
-        for entry in relayr(environment, "thread", "show", WHERE, thread)
+        for entry in relayr_json(environment, "thread", "show", WHERE, thread)
         if entry["author"] == f"external_agent:reflexr:{RULE}"
     ]
     assert [n["content"] for n in notices] == ["checking the nightly backup"] * 2  # one per run
