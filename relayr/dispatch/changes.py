@@ -4,11 +4,12 @@ A :class:`ChangeFeed` gathers the workspaces whose reflexr log (rules to evaluat
 log (envelopes to follow) grew; the dispatcher takes what gathered and waits on it otherwise.
 PostgreSQL: a trigger on both libraries' workspace rows sends ``NOTIFY`` on :data:`CHANNEL`,
 heard on a connection of the feed's own. SQLite: the trigger writes into
-:data:`CHANGES_TABLE`, read when ``PRAGMA data_version`` moved (polled every
-:data:`SQLITE_POLL_S`). In memory: reflexr's storage signals as it commits. A notification may
-be lost; the feed then says so (:attr:`Changes.everything`), and :meth:`ChangeFeed.heads` is
-the one read the dispatcher's sweep compares. :func:`install` brings relayr's migrations (which
-create the triggers) to head at start.
+:data:`CHANGES_TABLE`, read when ``PRAGMA data_version`` moved, asked when the database's files
+are written (inotify) and every :data:`SQLITE_QUIET_POLL_S` besides. In memory: reflexr's
+storage signals as it commits. A notification may be lost; the feed then says so
+(:attr:`Changes.everything`), and :meth:`ChangeFeed.heads` is the one read the dispatcher's
+sweep compares. :func:`install` brings relayr's migrations (which create the triggers) to head
+at start.
 """
 
 import asyncio
@@ -62,8 +63,21 @@ SQLite's triggers (PostgreSQL's notify instead), created by relayr's migrations.
 CHANGES_TABLE: Final = changes_table.name
 
 SQLITE_POLL_S: Final = 0.01
-"""How often the SQLite feed asks whether another connection committed: a pragma answered from
-shared memory, about 100 a second, well under 1 % of a core."""
+"""How often the SQLite feed asks whether another connection committed while the database's
+files are being written (a pragma answered from shared memory), and always where inotify is
+unavailable."""
+
+SQLITE_BUSY_S: Final = 0.1
+"""How long after a write to the database's files the feed goes on asking every
+:data:`SQLITE_POLL_S`: a commit's writes come before the commit shows (an fsync, then the WAL
+index in shared memory, which inotify does not see)."""
+
+SQLITE_QUIET_POLL_S: Final = 1.0
+"""How often the feed asks when nothing wrote the database's files: what a commit whose writes
+it missed waits at most (a change noted by the sweep costs more)."""
+
+SUFFIXES: Final = ("-wal", "-journal")
+"""The files beside a SQLite database that a commit writes (WAL mode, or a rollback journal)."""
 
 RECONNECT_S: Final = 1.0
 """How long the PostgreSQL feed waits before it listens again after losing its connection."""
@@ -217,15 +231,30 @@ class PostgresFeed(ChangeFeed):
 
 
 class SqliteFeed(ChangeFeed):
-    """Polls ``PRAGMA data_version`` on a read-only connection of its own, and reads
-    :data:`CHANGES_TABLE` past the last version seen when it moved."""
+    """Asks ``PRAGMA data_version`` on a read-only connection of its own, and reads
+    :data:`CHANGES_TABLE` past the last version seen when it moved.
 
-    def __init__(self, engine: AsyncEngine, *, poll_s: float = SQLITE_POLL_S) -> None:
+    It asks when the database's files are written (inotify on their folder, whichever process
+    wrote them), every :data:`SQLITE_POLL_S` for :data:`SQLITE_BUSY_S` after, and every
+    :data:`SQLITE_QUIET_POLL_S` otherwise: an idle database costs nothing. Without inotify it
+    asks every ``poll_s``.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        poll_s: float = SQLITE_POLL_S,
+        quiet_poll_s: float = SQLITE_QUIET_POLL_S,
+    ) -> None:
         super().__init__()
         self._engine = engine
-        self._uri = f"{Path(str(engine.url.database)).absolute().as_uri()}?mode=ro"
+        self._path = Path(str(engine.url.database)).absolute()
+        self._uri = f"{self._path.as_uri()}?mode=ro"
         self._poll_s = poll_s
+        self._quiet_poll_s = quiet_poll_s
         self._connection: sqlite3.Connection | None = None
+        self._writes: FileWrites | None = None
         self._poller: asyncio.Task[None] | None = None
         self._seen = 0
 
@@ -242,6 +271,7 @@ class SqliteFeed(ChangeFeed):
         (self._seen,) = connection.execute(
             f"SELECT coalesce(max(version), 0) FROM {CHANGES_TABLE}"
         ).fetchone()
+        self._writes = FileWrites.watching(self._path)
         self._poller = asyncio.create_task(self._poll())
 
     async def aclose(self) -> None:
@@ -249,6 +279,8 @@ class SqliteFeed(ChangeFeed):
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        if self._writes is not None:
+            self._writes.close()
         if self._connection is not None:
             self._connection.close()
 
@@ -256,9 +288,11 @@ class SqliteFeed(ChangeFeed):
         return await read_heads(self._engine)
 
     async def _poll(self) -> None:
-        connection = self._connection
+        connection, writes = self._connection, self._writes
         assert connection is not None
+        loop = asyncio.get_running_loop()
         version: int | None = None
+        busy_until = 0.0
         while True:
             try:
                 (now,) = connection.execute("PRAGMA data_version").fetchone()
@@ -268,7 +302,16 @@ class SqliteFeed(ChangeFeed):
             except sqlite3.Error:
                 logger.warning("reading changes failed; the next poll tries again", exc_info=True)
                 self.lost()
-            await asyncio.sleep(self._poll_s)
+            if writes is None:
+                await asyncio.sleep(self._poll_s)
+                continue
+            if loop.time() < busy_until:
+                await asyncio.sleep(self._poll_s)
+                written = writes.take()
+            else:
+                written = await writes.wait(self._quiet_poll_s)
+            if written:
+                busy_until = loop.time() + SQLITE_BUSY_S
 
     def _read(self, connection: sqlite3.Connection) -> None:
         rows = connection.execute(
@@ -279,6 +322,63 @@ class SqliteFeed(ChangeFeed):
         for source, tenant_id, workspace_id, version in rows:
             self.noted(source, tenant_id, workspace_id)
             self._seen = max(self._seen, version)
+
+
+class FileWrites:
+    """Whether a SQLite database's files (the database, its WAL, its journal) were written,
+    told by inotify on their folder, on the running event loop."""
+
+    def __init__(self, inotify: Any, names: frozenset[str]) -> None:
+        self._inotify = inotify
+        self._names = names
+        self._written = asyncio.Event()
+        asyncio.get_running_loop().add_reader(inotify.fileno(), self._read)
+
+    @classmethod
+    def watching(cls, database: Path) -> "FileWrites | None":
+        """Watching ``database``'s files; None (with one log line) where inotify cannot be had:
+        the feed then polls."""
+        try:
+            from inotify_simple import INotify, flags
+
+            inotify = INotify(nonblocking=True)
+        except (ImportError, OSError, AttributeError) as error:
+            logger.warning("the SQLite change feed polls: inotify is unavailable", error=str(error))
+            return None
+        try:
+            inotify.add_watch(
+                database.parent, flags.MODIFY | flags.CREATE | flags.MOVED_TO | flags.ONLYDIR
+            )
+        except OSError as error:
+            inotify.close()
+            logger.warning(
+                "the SQLite change feed polls: its folder cannot be watched",
+                folder=str(database.parent),
+                error=str(error),
+            )
+            return None
+        return cls(inotify, frozenset({database.name, *(database.name + e for e in SUFFIXES)}))
+
+    def _read(self) -> None:
+        if any(event.name in self._names for event in self._inotify.read(timeout=0)):
+            self._written.set()
+
+    def take(self) -> bool:
+        """Whether the files were written since the last call."""
+        written = self._written.is_set()
+        self._written.clear()
+        return written
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Whether the files were written, waiting for it up to ``timeout_s``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._written.wait()
+        return self.take()
+
+    def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._inotify.fileno())
+        self._inotify.close()
 
 
 class MemoryFeed(ChangeFeed):

@@ -1,6 +1,7 @@
 """The change feed on real storage (memory, SQLite, PostgreSQL): a commit that moves a log names
 its workspace, one that does not names none, and a dropped trigger is caught by the sweep's
-heads.
+heads. On SQLite, a commit is noted because the database's files were written, not because the
+feed asked on a timer; without inotify, the feed polls.
 
 Events are published through the libraries themselves, as any process writing their store
 would: the feed reads what the database says (a trigger and ``NOTIFY``, or SQLite's changes
@@ -13,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import structlog
 from artifactr import UserActor
 from artifactr import Workspaces as ArtifactWorkspaces
 from reflexr import SourceActor
@@ -20,7 +22,7 @@ from reflexr.workspace import WorkspaceRef
 from reflexr.workspace import Workspaces as RuleWorkspaces
 from sqlalchemy import text
 
-from relayr.dispatch.changes import ChangeFeed, Changes, feed_for
+from relayr.dispatch.changes import SQLITE_BUSY_S, ChangeFeed, Changes, SqliteFeed, feed_for
 from relayr.runtime.application import SharedStorage, open_storage
 from relayr.settings import Settings
 from tests.dispatch.dispatch_harness import Ping
@@ -138,3 +140,56 @@ async def test_heads_show_a_workspace_the_dropped_trigger_hid(
     heads = await feed.heads()
     assert heads is not None
     assert heads.rules[("acme", "hidden")] == 2
+
+
+async def publish_ping(storage: SharedStorage, workspace: str) -> None:
+    source = await RuleWorkspaces(storage.rules, events=[Ping]).open(
+        "acme", workspace, actor=SourceActor(name="test")
+    )
+    await source.publish(Ping())
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_sqlite_commits_are_noted_as_the_files_are_written_not_by_a_timer(
+    storage: SharedStorage,
+) -> None:
+    """With the quiet poll an hour apart, each commit is still noted: inotify said the
+    database's files were written. Each publish comes once the feed went quiet again."""
+    (engine,) = storage.engines
+    feed = SqliteFeed(engine, quiet_poll_s=3600.0)
+    with structlog.testing.capture_logs() as logs:
+        await feed.start()
+    assert logs == []  # it watches the files (else it would poll, and say so)
+    try:
+        for workspace in ("one", "two", "three"):
+            await asyncio.sleep(3 * SQLITE_BUSY_S)  # past the busy polls: it waits on the files
+            await publish_ping(storage, workspace)
+            changes = await gathered(feed, lambda c, w=workspace: ("acme", w) in c.rules)
+            assert changes.rules == {("acme", workspace)}
+    finally:
+        await feed.aclose()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_without_inotify_the_sqlite_feed_polls_and_says_so(
+    storage: SharedStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import inotify_simple
+
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(inotify_simple, "INotify", refused)
+    (engine,) = storage.engines
+    feed = SqliteFeed(engine, quiet_poll_s=3600.0)
+    with structlog.testing.capture_logs() as logs:
+        await feed.start()
+    try:
+        await publish_ping(storage, "polled")
+        changes = await gathered(feed, lambda c: ("acme", "polled") in c.rules)
+        assert changes.rules == {("acme", "polled")}
+    finally:
+        await feed.aclose()
+    [warning] = [log for log in logs if log["log_level"] == "warning"]
+    assert warning["event"] == "the SQLite change feed polls: inotify is unavailable"
+    assert "Too many open files" in warning["error"]
