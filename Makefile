@@ -33,11 +33,12 @@ format: $(STAMP)
 	$(BIN)/ruff format relayr tasks rules tests bench
 	$(BIN)/ruff check --fix relayr tasks rules tests bench
 
-# the whole suite, a test module per xdist process: two of them, as the 2-core machine has, since
-# most of a worker test's time is spent waiting on its processes (each test makes its own
-# queue, database, folder and ports, so modules run side by side)
+# the whole suite, a test module per xdist process: four of them on the 2-core machine, since a
+# worker test spends much of its time waiting on its processes' leases and back-offs, and two
+# left a core idle then (ADR-0123); each test makes its own queue, database, folder and ports,
+# so modules run side by side
 test: check
-	$(BIN)/pytest -n 2 --dist loadfile --durations=40
+	$(BIN)/pytest -n 4 --dist loadfile --durations=40
 
 # a developer's loop: the tests that start no process and need no server (README), a module per
 # xdist process
