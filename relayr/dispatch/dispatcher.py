@@ -814,7 +814,7 @@ class _Settling:
 
     def take(self, now: float, *, whole: bool) -> Changes:
         """The held changes whose workspace settled (all of them if ``whole``), now taken."""
-        held, settle_s = self._held, self._settle_s
+        held = self._held
         if whole or held.everything:
             taken, self._held = held, Changes()
         else:
@@ -822,7 +822,7 @@ class _Settling:
             taken = Changes(rules=held.rules & settled, artifacts=held.artifacts & settled)
             held.rules -= settled
             held.artifacts -= settled
-        self._taken_at = {w: at for w, at in self._taken_at.items() if at + settle_s > now}
+        self._taken_at = {w: at for w, at in self._taken_at.items() if self._settles_at(w) > now}
         self._taken_at.update(dict.fromkeys(taken.rules | taken.artifacts, now))
         return taken
 
