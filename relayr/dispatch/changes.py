@@ -328,9 +328,10 @@ class FileWrites:
     """Whether a SQLite database's files (the database, its WAL, its journal) were written,
     told by inotify on their folder, on the running event loop."""
 
-    def __init__(self, inotify: Any, names: frozenset[str]) -> None:
+    def __init__(self, inotify: Any, names: frozenset[str], overflow: int) -> None:
         self._inotify = inotify
         self._names = names
+        self._overflow = overflow
         self._written = asyncio.Event()
         asyncio.get_running_loop().add_reader(inotify.fileno(), self._read)
 
@@ -357,10 +358,15 @@ class FileWrites:
                 error=str(error),
             )
             return None
-        return cls(inotify, frozenset({database.name, *(database.name + e for e in SUFFIXES)}))
+        names = frozenset({database.name, *(database.name + suffix for suffix in SUFFIXES)})
+        return cls(inotify, names, flags.Q_OVERFLOW)
 
     def _read(self) -> None:
-        if any(event.name in self._names for event in self._inotify.read(timeout=0)):
+        # an overflowed queue dropped events: any of them may have been a commit's
+        if any(
+            event.name in self._names or event.mask & self._overflow
+            for event in self._inotify.read(timeout=0)
+        ):
             self._written.set()
 
     def take(self) -> bool:
