@@ -56,6 +56,9 @@ __all__ = [
 DISPATCHER_READY: Final = '"runtime started"'
 """What a dispatcher's JSON log says once it runs (relayr.runtime.process)."""
 
+COMMAND_TIMEOUT_S: Final = 120.0
+"""How long a relayr command run as a process may take: far above what one needs."""
+
 POLL_S: Final = 0.2
 """How often :func:`until` looks again: a probe reads a store or a log, cheap at this rate."""
 
@@ -106,7 +109,11 @@ def relayr_here(environment: Mapping[str, str], *args: str) -> Any:
 
 
 def relayr_output(
-    environment: Mapping[str, str], *args: str, cwd: Path = REPO, check: bool = True
+    environment: Mapping[str, str],
+    *args: str,
+    cwd: Path = REPO,
+    check: bool = True,
+    timeout_s: float = COMMAND_TIMEOUT_S,
 ) -> subprocess.CompletedProcess[str]:
     """``relayr ARGS`` as a process of its own (a ``relayr-cli``, as an operator runs it), in
     ``cwd``; unless ``check`` is false, it must exit 0."""
@@ -116,7 +123,7 @@ def relayr_output(
         env=dict(environment),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout_s,
         check=False,
     )
     if check:

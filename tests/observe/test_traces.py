@@ -221,7 +221,7 @@ def test_a_traced_demo_exports_its_publish_and_enqueue_with_the_workers_runs(
     with receiving() as receiver:
         environment = relayr_environment(tmp_path)
         environment["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
-        relayr_output(environment, "demo", "--runs", "4", "--json", cwd=tmp_path)
+        relayr_output(environment, "demo", "--runs", "4", "--json", cwd=tmp_path, timeout_s=WAIT_S)
 
         def both_ends() -> list[ReceivedSpan] | None:
             spans = receiver.spans()
