@@ -141,9 +141,7 @@ class ChangeFeed(ABC):
 
     async def wait(self, timeout_s: float) -> None:
         """Return when something gathered, or after ``timeout_s``."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._woken.wait()
+        await _set_within(self._woken, timeout_s)
 
     @property
     def woken(self) -> bool:
@@ -377,9 +375,7 @@ class FileWrites:
 
     async def wait(self, timeout_s: float) -> bool:
         """Whether the files were written, waiting for it up to ``timeout_s``."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._written.wait()
+        await _set_within(self._written, timeout_s)
         return self.take()
 
     def close(self) -> None:
@@ -417,6 +413,13 @@ class MemoryFeed(ChangeFeed):
 
     async def heads(self) -> None:
         return None
+
+
+async def _set_within(event: asyncio.Event, timeout_s: float) -> None:
+    """Return when ``event`` is set, or after ``timeout_s``."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
 
 
 def feed_for(engines: tuple[AsyncEngine, ...], rules: Any) -> ChangeFeed:
