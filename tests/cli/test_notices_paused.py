@@ -8,8 +8,6 @@ a resumption when there is one.
 """
 
 import asyncio
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ from pydantic_ai.models.function import AgentInfo
 from relayr.execution.actions import acting
 from relayr.runtime.bridge import Bridge
 from tests.execution.test_actions import NOW, TENANT, WORKSPACE, Harness
-from tests.workers import REPO, relayr_environment
+from tests.workers import relayr_environment, relayr_output
 
 pytestmark = pytest.mark.process
 
@@ -66,15 +64,7 @@ ASKING = Agent(
 
 
 def post_notice(environment: dict[str, str], thread: str, content: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "relayr.cli", "thread", "post", WHERE, thread, content, "--notice"],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    done = relayr_output(environment, "thread", "post", WHERE, thread, content, "--notice")
     return done.stdout.strip()
 
 
@@ -146,13 +136,6 @@ async def test_a_rules_notice_and_a_persons_resume_no_paused_run(tmp_path: Path)
 def test_thread_post_refuses_bad_input_with_exit_2(
     tmp_path: Path, args: list[str], problem: str
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "relayr.cli", "thread", "post", WHERE, *args],
-        cwd=REPO,
-        env=relayr_environment(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = relayr_output(relayr_environment(tmp_path), "thread", "post", WHERE, *args, check=False)
     assert done.returncode == 2, done.stderr
     assert problem in done.stderr

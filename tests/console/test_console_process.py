@@ -9,7 +9,6 @@ the server, then closes the runtime. Real ``relayr console`` processes
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,21 +16,14 @@ import pytest
 from relayr.cli.processes import relayr_command
 from tests.console.console_http import environment_of
 from tests.consoles import Console, running_console
-from tests.workers import REPO
+from tests.workers import REPO, relayr_output
 
 pytestmark = pytest.mark.process
 
 
 def console_command(environment: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """``relayr console ARGS`` run to its end (it stops at once on bad input)."""
-    return subprocess.run(
-        [sys.executable, "-m", "relayr.cli", "console", *args],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return relayr_output(environment, "console", *args, check=False, timeout_s=60)
 
 
 def test_the_probe_says_whether_the_console_answers(token_console: Console) -> None:

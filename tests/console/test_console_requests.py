@@ -9,8 +9,6 @@ answers IP addresses, ``localhost`` and the names it was given only (DNS rebindi
 """
 
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from relayr.console.security import (
 )
 from tests.console.console_http import TOKEN, environment_of
 from tests.consoles import Client, Console, running_console
-from tests.workers import REPO
+from tests.workers import relayr_output
 
 pytestmark = pytest.mark.process
 
@@ -108,13 +106,15 @@ def test_bound_to_every_address_it_answers_the_names_it_was_given_only(tmp_path:
 
 @pytest.mark.parametrize("value", ["console.example:8787", "https://console.example", "a b"])
 def test_an_allowed_host_that_is_no_host_name_is_bad_input(tmp_path: Path, value: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "relayr.cli", "console", "--port", "0", "--allowed-host", value],
-        cwd=REPO,
-        env=environment_of(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = relayr_output(
+        environment_of(tmp_path),
+        "console",
+        "--port",
+        "0",
+        "--allowed-host",
+        value,
+        check=False,
+        timeout_s=60,
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [

@@ -9,8 +9,6 @@ message, no message in the broker. With Redis back, a dispatcher and a worker ru
 """
 
 import json
-import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -25,7 +23,13 @@ from relayr.runtime.transient import is_transient
 from tests.faults.private_redis import PrivateRedis
 from tests.ops.test_ops_worker import GRANTED, WHERE, ended, runs
 from tests.ops_app import FIXED
-from tests.workers import REPO, relayr_environment, relayr_json, running_dispatcher, running_worker
+from tests.workers import (
+    relayr_environment,
+    relayr_json,
+    relayr_output,
+    running_dispatcher,
+    running_worker,
+)
 
 RULE = "ops:backup-check"
 
@@ -87,13 +91,8 @@ def test_a_retry_with_the_broker_down_leaves_the_run_pending_for_the_dispatcher(
 
     redis_server.kill()
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "relayr.cli", "runs", "retry", dead["id"]],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_LIMIT_S * 2,
+    done = relayr_output(
+        environment, "runs", "retry", dead["id"], check=False, timeout_s=COMMAND_LIMIT_S * 2
     )
     elapsed_s = time.monotonic() - started
     print(json.dumps({"retry_with_broker_down_s": round(elapsed_s, 2)}))

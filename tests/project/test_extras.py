@@ -17,7 +17,7 @@ import pytest
 
 from relayr.cli.console import CONSOLE_EXTRA
 from relayr.settings import child_environment
-from tests.workers import REPO
+from tests.workers import REPO, relayr_output
 
 EXTRA_MODULES = (*CONSOLE_EXTRA, "multipart", "tqdm")
 """Every top-level module the ``console`` extra installs."""
@@ -65,14 +65,15 @@ def without(modules: tuple[str, ...], *args: str, cwd: Path) -> subprocess.Compl
 @pytest.mark.timeout(DEMO_TIMEOUT_S + 60)
 def test_a_worker_that_executes_runs_loads_nothing_of_the_console_extra(tmp_path: Path) -> None:
     environment = {**child_environment(), "PYTHONPROFILEIMPORTTIME": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "relayr.cli", "demo", "--runs", "2", "--json"],
+    done = relayr_output(
+        environment,
+        "demo",
+        "--runs",
+        "2",
+        "--json",
         cwd=tmp_path,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT_S,
         check=False,
+        timeout_s=DEMO_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
