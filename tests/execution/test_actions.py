@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from artifactr import MarkdownArtifact, UserActor
 from artifactr import Workspaces as ArtifactWorkspaces
-from artifactr.agent import ArtifactWorkspace, Runner, Session, function_model
+from artifactr.agent import ArtifactWorkspace, RunHandle, Runner, Session, function_model
 from artifactr.core import MessagePosted, PostMessage, RunStarted
 from artifactr.sql import SqlStorage, create_sqlite_engine, migrate
 from artifactr.workspace import InMemoryStorage as ArtifactMemory
@@ -159,14 +159,26 @@ class Harness:
         ]
 
     async def settle_turns(self) -> None:
+        """Wait until no turn runs: those the runs started, and those the Runner started itself
+        when a turn ended with a message left for the next (its hand-over, which neither the
+        bridge tracks nor ``Runner.drain`` waits for)."""
         for _ in range(50):
-            running = self.bridge.turns.running()
+            running = await self._running_turns()
             if not running:
                 await self.runner.drain()
-                if not self.bridge.turns.running():
+                if not await self._running_turns():
                     return
             await asyncio.gather(*(handle.task for handle in running), return_exceptions=True)
         raise AssertionError("turns did not settle")
+
+    async def _running_turns(self) -> list[RunHandle]:
+        handle = await self.artifacts.open(TENANT, WORKSPACE, actor=self.user)
+        handed_over = [self.runner.running(thread.id) for thread in await handle.threads()]
+        return [
+            turn
+            for turn in {*self.bridge.turns.running(), *filter(None, handed_over)}
+            if not turn.task.done()
+        ]
 
 
 @pytest.fixture(params=["memory", "sqlite"])
