@@ -63,7 +63,7 @@ class StartedTurns:
             if ask_again is None or tries <= 0 or failure is None or not is_transient(failure):
                 return
             logger.warning(
-                "turn failed on a transient fault; asking for it ask_again",
+                "turn failed on a transient fault; asking for it again",
                 turn_id=handle.run_id,
                 thread_id=handle.thread_id,
                 error=f"{type(failure).__name__}: {failure}",
@@ -80,7 +80,7 @@ class StartedTurns:
             self._track(await retried(ask_again), ask_again, tries)
         except Exception:
             logger.exception(
-                "asking for a failed turn ask_again failed; the thread's next command takes it"
+                "asking again for a failed turn failed; the thread's next command takes it"
             )
 
     def running(self) -> list[RunHandle]:
