@@ -56,10 +56,10 @@ T0 = datetime.now(UTC).replace(hour=12, minute=0, second=0, microsecond=0) + tim
 run's lease on its storage's own clock (real time), while the dispatcher asks for the runs whose
 lease lapsed by the application's clock (the test's): a clock behind real time would keep a
 killed worker's claimed runs ``running`` until the test moved it, past every lease."""
-INCIDENTS = 100
+INCIDENTS = 50
 PER_MINUTE = 10
 STAGE_TIMEOUT_S = 120.0
-KILL_AT_STAGE = 3
+KILL_AT_STAGE = 2
 FAIR_BATCH = 5
 """Runs per message: the most sends a killed worker can leave to artifactr's recovery."""
 RULE_AUTHOR = "external_agent:reflexr:ops:incident-triage"
@@ -236,8 +236,8 @@ async def until(
 
 
 def ops_see_the_first_minute(environment: dict[str, str]) -> None:
-    """After the first minute: ten turns used, the ninety others wait, each saying why and
-    when its turn in the line comes: ten at each of the next nine minutes (ADR-0118)."""
+    """After the first minute: ten turns used, the forty others wait, each saying why and
+    when its turn in the line comes: ten at each of the next four minutes (ADR-0118)."""
     [use] = relayr_json(environment, "limits")
     assert (use["limit"], use["kind"], use["bound"]) == ("limits.triage", "turns_per", "10/1m")
     assert (use["used"], use["waiting"]) == (PER_MINUTE, INCIDENTS - PER_MINUTE)
