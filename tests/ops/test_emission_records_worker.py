@@ -19,7 +19,14 @@ import pytest
 
 from tests.ops.test_ops_worker import WAIT_S, WHERE, by, ended, runs
 from tests.ops_app import DIE_CONTENT
-from tests.workers import relayr_environment, relayr_json, running_dispatcher, running_worker, until
+from tests.workers import (
+    relayr_environment,
+    relayr_here,
+    relayr_json,
+    running_dispatcher,
+    running_worker,
+    until,
+)
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(900)]
 """Far above what a scenario needs: each step is a command a person types, a few seconds each
@@ -49,7 +56,9 @@ def environment(tmp_path: Path, database: dict[str, object], **settings: object)
 
 
 def sent_messages(env: dict[str, str], thread: str) -> list[dict[str, Any]]:
-    return by(AUTHOR, relayr_json(env, "thread", "show", WHERE, thread))
+    """The rule's messages in ``thread`` (``relayr thread show``, in this process: a test polls
+    it)."""
+    return by(AUTHOR, relayr_here(env, "thread", "show", WHERE, thread))
 
 
 def check_records(env: dict[str, str], run_id: str, thread: str) -> list[dict[str, Any]]:
