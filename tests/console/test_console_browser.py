@@ -87,7 +87,7 @@ def dead_ids(environment: dict[str, str]) -> set[str]:
 
 
 def publish(environment: dict[str, str], where: str, event: str, **data: str) -> None:
-    relayr_json(environment, "publish", where, event, "--data", json.dumps(data))
+    relayr_here(environment, "publish", where, event, "--data", json.dumps(data))
 
 
 def run_link(console: Console, run: dict[str, Any]) -> str:
@@ -104,7 +104,7 @@ def test_a_dead_run_is_listed_with_its_reason_and_a_retry_posts_its_notice_once(
     tmp_path: Path, database: dict[str, object], browser: Any
 ) -> None:
     environment = environment_of(tmp_path, console_token=TOKEN, **database)
-    thread = relayr_json(environment, "thread", "create", WHERE, "--title", "backups")["id"]
+    thread = relayr_here(environment, "thread", "create", WHERE, "--title", "backups")["id"]
     with (
         running_worker(environment, tmp_path),
         dispatching(environment, tmp_path),
@@ -130,7 +130,7 @@ def test_a_dead_run_is_listed_with_its_reason_and_a_retry_posts_its_notice_once(
             console.at("/run/retry"), form={"id": dead["id"], "workspace": WHERE, "csrf": "x"}
         )
         assert forged.status == 403
-        assert relayr_json(environment, "runs", "show", dead["id"])["run"]["status"] == "dead"
+        assert relayr_here(environment, "runs", "show", dead["id"])["run"]["status"] == "dead"
 
         # logged in with the token, the run's page has its buttons
         page.click("#access a")
@@ -154,7 +154,7 @@ def test_a_dead_run_is_listed_with_its_reason_and_a_retry_posts_its_notice_once(
         assert outcomes == ["failed", "dead", "succeeded"]
         numbers = page.locator("#attempts tbody tr td:nth-child(1)").all_inner_texts()
         assert numbers == ["1", "2", "3"]
-        report = relayr_json(environment, "runs", "show", dead["id"])
+        report = relayr_here(environment, "runs", "show", dead["id"])
         assert [action["action"] for action in report["actions"]] == ["retry"]
 
         page.goto(console.at(f"/thread?workspace={WHERE}&id={thread}"))
@@ -164,7 +164,7 @@ def test_a_dead_run_is_listed_with_its_reason_and_a_retry_posts_its_notice_once(
         assert "[notice]" in by_rule[0]
         assert NOTICE in by_rule[0]
 
-    transcript = relayr_json(environment, "thread", "show", WHERE, thread)
+    transcript = relayr_here(environment, "thread", "show", WHERE, thread)
     notices = [e for e in transcript if e["author"] == f"external_agent:reflexr:{BACKUP}"]
     assert [(n["kind"], n["content"]) for n in notices] == [("notice", NOTICE)]
 
@@ -173,8 +173,8 @@ def test_the_bulk_retry_previews_exactly_the_dead_runs_of_its_filter(
     tmp_path: Path, browser: Any
 ) -> None:
     environment = environment_of(tmp_path, console_token=TOKEN)
-    here = relayr_json(environment, "thread", "create", WHERE, "--title", "backups")["id"]
-    there = relayr_json(environment, "thread", "create", ELSEWHERE, "--title", "backups")["id"]
+    here = relayr_here(environment, "thread", "create", WHERE, "--title", "backups")["id"]
+    there = relayr_here(environment, "thread", "create", ELSEWHERE, "--title", "backups")["id"]
     with (
         running_worker(environment, tmp_path),
         dispatching(environment, tmp_path),
@@ -242,7 +242,7 @@ def test_without_the_token_nothing_acts_and_stored_markup_is_text(
     tmp_path: Path, browser: Any
 ) -> None:
     environment = environment_of(tmp_path)
-    thread = relayr_json(environment, "thread", "create", WHERE, "--title", HOSTILE)["id"]
+    thread = relayr_here(environment, "thread", "create", WHERE, "--title", HOSTILE)["id"]
     with (
         running_worker(environment, tmp_path),
         dispatching(environment, tmp_path),
@@ -283,7 +283,7 @@ def test_without_the_token_nothing_acts_and_stored_markup_is_text(
             )
             assert forged.status == 403, action
             assert "read-only" in forged.text()
-        report = relayr_json(environment, "runs", "show", dead["id"])
+        report = relayr_here(environment, "runs", "show", dead["id"])
         assert report["run"]["status"] == "dead"
         assert [attempt["outcome"] for attempt in report["attempts"]] == ["dead"]
 
@@ -296,7 +296,7 @@ def test_a_retry_with_the_broker_down_says_so_and_the_dispatcher_runs_it(
     that the dispatcher will enqueue the run (ADR-0034), and the dispatcher does."""
     environment = environment_of(tmp_path, console_token=TOKEN)
     unreachable = {**environment, "RELAYR_BROKER_URL": "redis://127.0.0.1:1/0"}
-    thread = relayr_json(environment, "thread", "create", WHERE, "--title", "backups")["id"]
+    thread = relayr_here(environment, "thread", "create", WHERE, "--title", "backups")["id"]
     with (
         running_worker(environment, tmp_path),
         dispatching(environment, tmp_path),

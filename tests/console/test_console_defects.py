@@ -43,7 +43,7 @@ from tests.console.test_console_operations import run_url
 from tests.console_app import HostileDue
 from tests.consoles import Client, Console, chromium, running_console, signed_session
 from tests.ops_app import FIXED, BackupDue, DiskFull
-from tests.workers import relayr_environment, relayr_json
+from tests.workers import relayr_environment, relayr_here
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
@@ -326,7 +326,7 @@ def test_skip_asks_a_reason_records_who_and_why_and_a_reload_repeats_nothing_4_5
     acted = page.locator("#operator-actions tbody tr td").all_inner_texts()
     assert acted[1:] == ["console", "skip", "duplicate alert"]
     assert audit_rows(page, console, run) == [["console", "skip", "duplicate alert"]]
-    report = relayr_json(
+    report = relayr_here(
         defects.world.environment, "runs", "show", run.id, "--workspace", run.where
     )
     assert [(a["action"], a["who"], a["reason"]) for a in report["actions"]] == [
@@ -390,7 +390,7 @@ def test_the_search_box_finds_a_run_two_workspaces_hold_and_an_event_9(
     defects, console = world
     made = defects.world
     run = made.dead[0]
-    every = relayr_json(made.environment, "runs", "list", "--limit", "10000")
+    every = relayr_here(made.environment, "runs", "list", "--limit", "10000")
     holders = {f"{r['tenant_id']}/{r['workspace_id']}" for r in every if r["id"] == run.id}
     assert len(holders) >= 2  # the premise: one rule firing at one seq in two workspaces
     page = visitor(browser)
@@ -429,7 +429,7 @@ def test_acknowledging_a_dead_run_once_and_sorting_by_change_puts_it_first_10(
         reloaded(page)
         assert "skipped" in page.locator(f'#results tr[data-run="{run.id}"]').inner_text()
     assert audit_rows(page, console, run) == [["console", "skip", "host retired"]]
-    report = relayr_json(
+    report = relayr_here(
         defects.world.environment, "runs", "show", run.id, "--workspace", run.where
     )
     assert [(a["action"], a["reason"]) for a in report["actions"]] == [("skip", "host retired")]
@@ -529,7 +529,7 @@ def test_next_page_links_reach_the_oldest_run_and_the_favicon_is_an_icon_15(
         page.wait_for_url(re.compile(r"after="))
     assert pages == 2
     assert sorted(seen) == sorted(defects.paged)
-    every = relayr_json(defects.world.environment, "runs", "list", "--limit", "10000")
+    every = relayr_here(defects.world.environment, "runs", "list", "--limit", "10000")
     newest_first = [r["id"] for r in every if f"{r['tenant_id']}/{r['workspace_id']}" == BULK]
     assert seen == newest_first  # in order, and the last is the oldest
     icon = page.goto(console.at("/favicon.ico"))
@@ -588,7 +588,7 @@ def test_the_overviews_counts_are_the_stores_and_each_links_to_its_runs(
     world: tuple[Defects, Console], browser: "Browser"
 ) -> None:
     defects, console = world
-    every = relayr_json(defects.world.environment, "runs", "list", "--limit", "10000")
+    every = relayr_here(defects.world.environment, "runs", "list", "--limit", "10000")
     runs = [(f"{r['tenant_id']}/{r['workspace_id']}", r["id"], r) for r in every]
     page = visitor(browser)
     page.goto(console.at("/"))
@@ -694,7 +694,7 @@ def test_a_dead_letters_replay_from_the_health_page_is_not_repeated_by_a_reload(
     environment = relayr_environment(tmp_path, console_token=TOKEN)
     with ThreadPoolExecutor(max_workers=1) as thread:  # Playwright holds this thread's loop
         thread.submit(ghost_notice, environment).result()
-    relayr_json(environment, "follow", "--once")
+    relayr_here(environment, "follow", "--once")
     with running_console(environment, tmp_path) as console:
         page = log_in(browser, console, "/health")
         # defect 11: the queue has a table of its own, a follower's lag is a time
@@ -713,7 +713,7 @@ def test_a_dead_letters_replay_from_the_health_page_is_not_repeated_by_a_reload(
             reloaded(page)
             assert page.locator("#replayed").count() == 0  # said once
             assert row.locator("td[data-label=Tries]").inner_text() == "2"
-    [letter] = relayr_json(environment, "follow", "dead-letters", "list")
+    [letter] = relayr_here(environment, "follow", "dead-letters", "list")
     assert letter["tries"] == 2
 
 
@@ -761,7 +761,7 @@ def test_runs_selected_on_the_list_are_acted_on_once_after_a_preview(
     assert page.locator("#results tr.ok").evaluate_all("rows => rows.map(r => r.dataset.run)") == [
         first.id
     ]
-    report = relayr_json(defects.world.environment, "runs", "show", first.id, "--workspace", PICKED)
+    report = relayr_here(defects.world.environment, "runs", "show", first.id, "--workspace", PICKED)
     assert [action["action"] for action in report["actions"]] == ["skip", "retry"]
-    report = relayr_json(defects.world.environment, "runs", "show", third.id, "--workspace", PICKED)
+    report = relayr_here(defects.world.environment, "runs", "show", third.id, "--workspace", PICKED)
     assert (report["run"]["status"], report["actions"]) == ("pending", [])

@@ -27,7 +27,7 @@ import pytest
 from tests.console.console_world import World, execute, home_of, make_world
 from tests.consoles import Client, Console, running_console
 from tests.ops_app import FIXED
-from tests.workers import relayr_environment, relayr_json
+from tests.workers import relayr_environment, relayr_here
 
 pytestmark = pytest.mark.process
 
@@ -69,7 +69,7 @@ def logged_in(console: Console, token: str = TOKEN) -> tuple[Client, str]:
 
 
 def show(world: World, run_id: str, where: str) -> dict[str, Any]:
-    report: dict[str, Any] = relayr_json(
+    report: dict[str, Any] = relayr_here(
         world.environment, "runs", "show", run_id, "--workspace", where
     )
     return report
@@ -272,7 +272,7 @@ def test_filters_take_pending_a_part_of_a_rule_a_tenant_and_sort_by_change(
     assert set(listed("workspace=zeta")) == pending
     by_reason = listed("reason=thread_not_found")
     assert by_reason == [run.id for run in made.missing_thread]
-    every = relayr_json(made.environment, "runs", "list", "--limit", "10000")
+    every = relayr_here(made.environment, "runs", "list", "--limit", "10000")
     ops = [run for run in every if (run["tenant_id"], run["workspace_id"]) == ("acme", "ops")]
     # runs changed in one transaction share their moment: then by the event that fired them
     by_change = sorted(
@@ -287,7 +287,7 @@ def test_filters_take_pending_a_part_of_a_rule_a_tenant_and_sort_by_change(
 
 def test_every_run_is_reachable_by_the_pages_cursor(world: tuple[World, Console]) -> None:
     made, console = world
-    every = relayr_json(made.environment, "runs", "list", "--limit", "10000")
+    every = relayr_here(made.environment, "runs", "list", "--limit", "10000")
     client = Client()
     seen: list[tuple[str, str]] = []
     url = console.at("/runs?workspace=acme")
@@ -375,7 +375,7 @@ def test_the_bulk_preview_sets_apart_runs_that_will_fail_again(
     only = set(re.findall(r'data-run="([^"]+)" data-verdict', page))
     dead_backups = {
         run["id"]
-        for run in relayr_json(
+        for run in relayr_here(
             made.environment, "runs", "list", "--status", "dead", "--limit", "1000"
         )
         if run["workspace_id"] == "ops" and run["reason"] == "backup_down"
@@ -404,7 +404,7 @@ def test_the_overview_counts_what_the_store_holds_and_links_to_it(
     world: tuple[World, Console],
 ) -> None:
     made, console = world
-    every = relayr_json(made.environment, "runs", "list", "--limit", "10000")
+    every = relayr_here(made.environment, "runs", "list", "--limit", "10000")
     client = Client()
     status, page, _ = client.get(console.at("/"))
     assert status == 200

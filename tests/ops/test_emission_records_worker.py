@@ -8,7 +8,9 @@ record for each attempt that sent (the first ``posted``); before records rode th
 listed none, as they waited for a completion that never came (ADR-0103).
 
 ``relayr dispatch`` and a ``celery worker`` run as subprocesses on the embedded broker, the test
-drives them with the commands a person types; storage is SQLite and PostgreSQL.
+drives them with the commands a person types: ops' ``runs cancel`` and ``runs skip`` as
+processes of their own, the others in its own process (:func:`tests.workers.relayr_here`);
+storage is SQLite and PostgreSQL.
 """
 
 import json
@@ -65,7 +67,7 @@ def check_records(env: dict[str, str], run_id: str, thread: str) -> list[dict[st
     """The run's records as ``runs show`` reads them (each validated as it is read)."""
     [message] = sent_messages(env, thread)
     assert (message["kind"], message["content"]) == ("message", DIE_CONTENT)
-    records: list[dict[str, Any]] = relayr_json(env, "runs", "show", run_id)["emissions"]
+    records: list[dict[str, Any]] = relayr_here(env, "runs", "show", run_id)["emissions"]
     assert records, "the send left no emission record"
     assert all(r["message_id"] == message["id"] for r in records)
     attempts = [r["attempt"] for r in records]
@@ -85,9 +87,9 @@ def test_a_send_whose_worker_died_and_whose_run_ops_cancelled_keeps_its_record(
     tmp_path: Path, database: dict[str, object]
 ) -> None:
     env = environment(tmp_path, database)
-    thread = relayr_json(env, "thread", "create", WHERE, "--title", "disk")["id"]
+    thread = relayr_here(env, "thread", "create", WHERE, "--title", "disk")["id"]
     with running_worker(env, tmp_path) as worker, running_dispatcher(env, tmp_path):
-        relayr_json(
+        relayr_here(
             env, "publish", WHERE, "opsw:disk_full", "--data", json.dumps({"thread_id": thread})
         )
         until("the send's message", lambda: sent_messages(env, thread) or None, timeout_s=WAIT_S)
@@ -108,9 +110,9 @@ def test_a_send_whose_run_failed_worker_lost_and_ops_skipped_keeps_its_records(
     tmp_path: Path, database: dict[str, object]
 ) -> None:
     env = environment(tmp_path, database, lease_ttl_s=2.0, max_redeliveries=1)
-    thread = relayr_json(env, "thread", "create", WHERE, "--title", "disk")["id"]
+    thread = relayr_here(env, "thread", "create", WHERE, "--title", "disk")["id"]
     with running_worker(env, tmp_path), running_dispatcher(env, tmp_path):
-        relayr_json(
+        relayr_here(
             env, "publish", WHERE, "opsw:disk_full", "--data", json.dumps({"thread_id": thread})
         )
         [dead] = ended(env, RULE, "dead")

@@ -5,8 +5,10 @@ nothing, (e) ``allowlist check`` names every problem with its key.
 
 Every step is the command a person would type: ``relayr dispatch`` and a ``celery worker`` run
 as subprocesses, and the test drives them with ``relayr publish``, ``relayr thread``,
-``relayr runs`` and ``relayr allowlist``, reading their ``--json`` output (what it polls, it
-runs in its own process: :func:`tests.workers.relayr_here`). Storage is SQLite
+``relayr runs`` and ``relayr allowlist``, reading their ``--json`` output. The operators'
+actions (``runs retry``) and ``allowlist check`` run as processes of their own, as typed; the
+rest runs in the test's own process (:func:`tests.workers.relayr_here`), which spares a Python
+start each. Storage is SQLite
 and PostgreSQL; the broker is the embedded one, or Redis where the scenario kills a worker.
 """
 
@@ -91,12 +93,12 @@ def environment(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str
 def test_a_a_dead_run_retried_by_ops_posts_exactly_one_notice(
     environment: dict[str, str], tmp_path: Path
 ) -> None:
-    thread = relayr_json(environment, "thread", "create", WHERE, "--title", "backups")["id"]
+    thread = relayr_here(environment, "thread", "create", WHERE, "--title", "backups")["id"]
     with (
         running_worker(environment, tmp_path) as worker,
         running_dispatcher(environment, tmp_path) as dispatcher,
     ):
-        relayr_json(
+        relayr_here(
             environment,
             "publish",
             WHERE,
@@ -115,12 +117,12 @@ def test_a_a_dead_run_retried_by_ops_posts_exactly_one_notice(
         assert (retried["run_id"], retried["ok"]) == (dead["id"], True)
         ended(environment, "ops:backup-check", "succeeded", worker, dispatcher)
 
-    transcript = relayr_json(environment, "thread", "show", WHERE, thread)
+    transcript = relayr_here(environment, "thread", "show", WHERE, thread)
     notices = by("external_agent:reflexr:ops:backup-check", transcript)
     assert [(n["kind"], n["content"]) for n in notices] == [
         ("notice", "checking the nightly backup")
     ]
-    report = relayr_json(environment, "runs", "show", dead["id"])
+    report = relayr_here(environment, "runs", "show", dead["id"])
     assert [a["outcome"] for a in report["attempts"]] == ["failed", "dead", "succeeded"]
     again = relayr_json(environment, "runs", "retry", dead["id"], check=False)
     assert again[0]["ok"] is False
@@ -132,13 +134,13 @@ def test_b_a_send_killed_between_commit_and_ask_gets_one_message_and_one_turn(
     environment: dict[str, str], tmp_path: Path, redis_url: str
 ) -> None:
     environment = {**environment, "RELAYR_BROKER_URL": redis_url}
-    thread = relayr_json(environment, "thread", "create", WHERE, "--title", "incident")["id"]
+    thread = relayr_here(environment, "thread", "create", WHERE, "--title", "incident")["id"]
     with (
         forgetting_redis_queue(environment["RELAYR_QUEUE"], url=redis_url),
         running_worker(environment, tmp_path) as worker,
         running_dispatcher(environment, tmp_path) as dispatcher,
     ):
-        relayr_json(
+        relayr_here(
             environment, "publish", WHERE, "opsw:lost", "--data", json.dumps({"thread_id": thread})
         )
         [dead] = ended(environment, "ops:crash-send", "dead", worker, dispatcher)
@@ -155,7 +157,7 @@ def test_b_a_send_killed_between_commit_and_ask_gets_one_message_and_one_turn(
         turns = until("the retried send's turn to complete", turned, worker, timeout_s=WAIT_S)
         assert worker.alive()
 
-    transcript = relayr_json(environment, "thread", "show", WHERE, thread)
+    transcript = relayr_here(environment, "thread", "show", WHERE, thread)
     sent = by("external_agent:reflexr:ops:crash-send", transcript)
     replies = [e for e in transcript if e["author"].startswith("agent:")]
     assert [(m["kind"], m["content"]) for m in sent] == [("message", CRASH_CONTENT)]
@@ -168,11 +170,11 @@ def test_c_explain_names_the_namespace_that_granted(tmp_path: Path) -> None:
     allowlist = tmp_path / "allowlist.toml"
     allowlist.write_text('[namespaces.ops]\nturns = true\n[rules."ops:quiet"]\n')
     environment = relayr_environment(tmp_path, allowlist=allowlist)
-    granted = relayr_json(environment, "allowlist", "explain", "ops:deploy-notice")
+    granted = relayr_here(environment, "allowlist", "explain", "ops:deploy-notice")
     assert granted["allowlist"]["turns"] is True
     assert granted["fields"]["turns"]["kind"] == "namespace"
     assert granted["fields"]["turns"]["key"] == "namespaces.ops"
-    quiet = relayr_json(environment, "allowlist", "explain", "ops:quiet")
+    quiet = relayr_here(environment, "allowlist", "explain", "ops:quiet")
     assert quiet["allowlist"]["turns"] is False
     assert quiet["fields"]["turns"]["kind"] == "builtin"
 
@@ -183,11 +185,11 @@ def test_d_revoking_turns_stops_the_next_send_and_a_broken_file_changes_nothing(
     allowlist = tmp_path / "allowlist.toml"
     allowlist.write_text(GRANTED)
     environment = relayr_environment(tmp_path, allowlist=allowlist)
-    thread = relayr_json(environment, "thread", "create", WHERE, "--title", "incidents")["id"]
+    thread = relayr_here(environment, "thread", "create", WHERE, "--title", "incidents")["id"]
 
     def incident(title: str) -> None:
         data = json.dumps({"title": title, "thread_id": thread})
-        relayr_json(environment, "publish", WHERE, "incident:opened", "--data", data)
+        relayr_here(environment, "publish", WHERE, "incident:opened", "--data", data)
 
     with (
         running_worker(environment, tmp_path) as worker,
@@ -215,7 +217,7 @@ def test_d_revoking_turns_stops_the_next_send_and_a_broken_file_changes_nothing(
         assert refused["reason"] == "not_allowed"
         assert worker.alive()
 
-    transcript = relayr_json(environment, "thread", "show", WHERE, thread)
+    transcript = relayr_here(environment, "thread", "show", WHERE, thread)
     sent = by("external_agent:reflexr:ops:incident-triage", transcript)
     assert [m["content"] for m in sent] == [
         "Triage incident: first",

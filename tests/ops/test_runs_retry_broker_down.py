@@ -25,7 +25,7 @@ from tests.ops.test_ops_worker import GRANTED, WHERE, ended, runs
 from tests.ops_app import FIXED
 from tests.workers import (
     relayr_environment,
-    relayr_json,
+    relayr_here,
     relayr_output,
     running_dispatcher,
     running_worker,
@@ -73,20 +73,20 @@ def test_a_retry_with_the_broker_down_leaves_the_run_pending_for_the_dispatcher(
         broker_url=redis_server.url,
         lease_ttl_s=2.0,
     )
-    thread = relayr_json(environment, "thread", "create", WHERE, "--title", "backups")["id"]
+    thread = relayr_here(environment, "thread", "create", WHERE, "--title", "backups")["id"]
     data = json.dumps({"thread_id": thread})
     with running_worker(environment, tmp_path), running_dispatcher(environment, tmp_path):
-        relayr_json(environment, "publish", WHERE, "opsw:backup", "--data", data)
+        relayr_here(environment, "publish", WHERE, "opsw:backup", "--data", data)
         [dead] = ended(environment, RULE, "dead")
         # a second run that succeeds: it must be left as it is
         (tmp_path / FIXED).touch()
-        relayr_json(environment, "publish", WHERE, "opsw:backup", "--data", data)
+        relayr_here(environment, "publish", WHERE, "opsw:backup", "--data", data)
         ended(environment, RULE, "succeeded")
         (tmp_path / FIXED).unlink()
 
     before = every_run(environment)
-    transcript_before = relayr_json(environment, "thread", "show", WHERE, thread)
-    report_before = relayr_json(environment, "runs", "show", dead["id"])
+    transcript_before = relayr_here(environment, "thread", "show", WHERE, thread)
+    report_before = relayr_here(environment, "runs", "show", dead["id"])
     assert before[dead["id"]]["status"] == "dead"
 
     redis_server.kill()
@@ -116,8 +116,8 @@ def test_a_retry_with_the_broker_down_leaves_the_run_pending_for_the_dispatcher(
         retried["updated_at"]
     ), "the retried run is due at once"
     assert after == {key: row for key, row in before.items() if key != dead["id"]}
-    assert relayr_json(environment, "thread", "show", WHERE, thread) == transcript_before
-    report_after = relayr_json(environment, "runs", "show", dead["id"])
+    assert relayr_here(environment, "thread", "show", WHERE, thread) == transcript_before
+    report_after = relayr_here(environment, "runs", "show", dead["id"])
     assert report_after["attempts"] == report_before["attempts"]
     assert report_after["emissions"] == report_before["emissions"]
 
@@ -128,11 +128,11 @@ def test_a_retry_with_the_broker_down_leaves_the_run_pending_for_the_dispatcher(
     (tmp_path / FIXED).touch()
     with running_worker(environment, tmp_path), running_dispatcher(environment, tmp_path):
         ended(environment, RULE, "succeeded", count=2)
-    report = relayr_json(environment, "runs", "show", dead["id"])
+    report = relayr_here(environment, "runs", "show", dead["id"])
     assert [a["outcome"] for a in report["attempts"]] == ["failed", "dead", "succeeded"]
     notices = [
         entry
-        for entry in relayr_json(environment, "thread", "show", WHERE, thread)
+        for entry in relayr_here(environment, "thread", "show", WHERE, thread)
         if entry["author"] == f"external_agent:reflexr:{RULE}"
     ]
     assert [n["content"] for n in notices] == ["checking the nightly backup"] * 2  # one per run
