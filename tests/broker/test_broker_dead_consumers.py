@@ -37,7 +37,16 @@ def test_a_sigkilled_consumer_s_messages_go_back_even_with_a_forked_child_alive(
     publish(conn, "one", "two", "three")
     ready = tmp_path / "ready"
     holder = subprocess.Popen(
-        [sys.executable, "-m", "tests.broker_agents", "hold", str(folder), QUEUE, "2", str(ready)],
+        [
+            sys.executable,
+            "-m",
+            "tests.broker.broker_agents",
+            "hold",
+            str(folder),
+            QUEUE,
+            "2",
+            str(ready),
+        ],
         cwd=REPO,
     )
     child = 0

@@ -1,7 +1,7 @@
 """The embedded broker under load, in separate processes, with consumers SIGKILLed mid-batch.
 
 Four producer processes publish :data:`MESSAGES` messages at full speed while two consumer
-processes take them (:mod:`tests.broker_agents`). Each consumer incarnation SIGKILLs itself
+processes take them (:mod:`tests.broker.broker_agents`). Each consumer incarnation SIGKILLs itself
 when it has taken its :data:`KILL_AFTER` count of messages, while it holds up to a prefetch
 of them unacknowledged, and the test starts the next incarnation of that consumer at once: the
 kills happen at known points of the load, not on a timer. At the end:
@@ -69,7 +69,7 @@ def agent(
     *args: object, stdout: int | None = None, stderr: int | None = None
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.broker_agents", *map(str, args)],
+        [sys.executable, "-m", "tests.broker.broker_agents", *map(str, args)],
         cwd=REPO,
         stdout=stdout,
         stderr=stderr,

@@ -4,7 +4,7 @@ while it holds a message loses it not; Celery's remote control still reaches the
 
 Workers are started as every worker test starts them (:mod:`tests.workers`). The kill happens
 while the run is known to hold its message: its action waits on a gate file the test opens
-only after the kill (:mod:`tests.broker_app`).
+only after the kill (:mod:`tests.broker.broker_app`).
 """
 
 import asyncio
@@ -29,8 +29,8 @@ from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tasks.app import create_celery
 from tasks.runs import send_runs
+from tests.broker.broker_app import Gated, gate_path
 from tests.broker.broker_samples import GARBAGE, NOT_TASKS
-from tests.broker_app import Gated, gate_path
 from tests.services import forget_redis_queue
 from tests.workers import RelayrProcess, relayr_environment, running_worker, start_worker
 
@@ -175,7 +175,7 @@ def test_a_worker_sigkilled_while_it_holds_a_message_gets_it_delivered_again(
     pool process behind; the next worker is handed the same message."""
     # the dispatcher does not send the run again while the test runs (requeue_after_s)
     environment = relayr_environment(
-        tmp_path, app="tests.broker_app:create_gated_app", lease_ttl_s=2, requeue_after_s=600
+        tmp_path, app="tests.broker.broker_app:create_gated_app", lease_ttl_s=2, requeue_after_s=600
     )
     settings = Settings.from_env(environment)
     first = start_worker(environment, tmp_path, concurrency=1)

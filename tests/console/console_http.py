@@ -1,5 +1,5 @@
 """What the console's HTTP tests share: its token, and consoles of the module's own on real
-``relayr console`` processes (:func:`tests.consoles.running_console`).
+``relayr console`` processes (:func:`tests.console.consoles.running_console`).
 
 :func:`token_console` holds the token, so a visitor logs in with it to act; :func:`read_only`
 has none, and its allowlist and a thread's title hold markup (:data:`SCRIPT`) the pages must
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.consoles import Console, running_console
+from tests.console.consoles import Console, running_console
 from tests.workers import relayr_environment, relayr_json
 
 TOKEN = "console-test-token-0123456789abcdef"
@@ -22,7 +22,7 @@ SCRIPT = "<script>document.title='pwned'</script>"
 
 
 def environment_of(home: Path, **settings: object) -> dict[str, str]:
-    return relayr_environment(home, app="tests.console_app:create_console_app", **settings)
+    return relayr_environment(home, app="tests.console.console_app:create_console_app", **settings)
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
 """A world of runs for the console's tests, made on real storage by relayr's own executor.
 
 The test process publishes events with reflexr, evaluates the rules of
-:mod:`tests.console_app` with reflexr's Reactor, and executes runs with relayr's executor in this
-process (as a worker's pool process would), until each reaches the state a test needs: dead
+:mod:`tests.console.console_app` with reflexr's Reactor, and executes runs with relayr's executor
+in this process (as a worker's pool process would), until each reaches the state a test needs: dead
 (``ops:backup-check`` until the home's ``fixed`` exists, ``console:hostile`` at once), dead for
 a thread that does not exist, or left pending (never executed). A real ``relayr console``
-process then serves it (:func:`tests.consoles.running_console`).
+process then serves it (:func:`tests.console.consoles.running_console`).
 """
 
 import asyncio
@@ -22,7 +22,7 @@ from reflexr.workspace import Reactor, WorkspaceRef
 from relayr.execution.executor import execute_run
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
-from tests.console_app import HostileDue
+from tests.console.console_app import HostileDue
 from tests.ops_app import BackupDue
 
 ENDED = ("succeeded", "dead", "cancelled", "skipped")

@@ -3,7 +3,7 @@ works end to end, and nothing on a page can act for anyone but a logged-in opera
 
 Debian's Chromium, driven by Playwright, talks to ``relayr console`` started as a subprocess,
 while a real ``celery worker`` and ``relayr dispatch`` run the rules of
-:mod:`tests.console_app`; the test publishes events with ``relayr publish`` and checks the
+:mod:`tests.console.console_app`; the test publishes events with ``relayr publish`` and checks the
 console against what ``relayr runs`` and ``relayr thread show`` say:
 
 - a run that failed for good is in the dead list with its reason; retried from its page with
@@ -26,8 +26,8 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.console_app import HOSTILE_REASON
-from tests.consoles import Console, chromium, dispatching, running_console, until
+from tests.console.console_app import HOSTILE_REASON
+from tests.console.consoles import Console, chromium, dispatching, running_console, until
 from tests.ops_app import FIXED
 from tests.workers import relayr_environment, relayr_here, relayr_json, running_worker
 
@@ -54,7 +54,7 @@ def database(request: pytest.FixtureRequest) -> dict[str, object]:
 def environment_of(home: Path, **settings: object) -> dict[str, str]:
     return relayr_environment(
         home,
-        app="tests.console_app:create_console_app",
+        app="tests.console.console_app:create_console_app",
         max_redeliveries=1,
         lease_ttl_s=2.0,
         **settings,

@@ -28,6 +28,7 @@ from relayr.execution.executor import execute_run
 from relayr.observe import telemetry
 from relayr.ops.runs import operator
 from relayr.runtime.process import Runtime
+from tests.console.console_app import HostileDue
 from tests.console.console_world import (
     Fired,
     World,
@@ -38,10 +39,9 @@ from tests.console.console_world import (
     run_to_end,
     thread_in,
 )
+from tests.console.consoles import Client, Console, chromium, running_console, signed_session
 from tests.console.test_console_health import ghost_notice
 from tests.console.test_console_operations import run_url
-from tests.console_app import HostileDue
-from tests.consoles import Client, Console, chromium, running_console, signed_session
 from tests.ops_app import FIXED, BackupDue, DiskFull
 from tests.workers import relayr_environment, relayr_here
 
@@ -110,7 +110,7 @@ def world(
     allowlist.write_text(NO_TURNS)
     environment = relayr_environment(
         home,
-        app="tests.console_app:create_console_app",
+        app="tests.console.console_app:create_console_app",
         console_token=TOKEN,
         allowlist=allowlist,
         trace_url=TRACE_URL,

@@ -22,7 +22,7 @@ from relayr.observe.health import SupervisorStatus, heartbeat_path, status_path,
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from rules.example import DeployFinished
-from tests.consoles import Client, running_console
+from tests.console.consoles import Client, running_console
 from tests.workers import relayr_environment, relayr_json
 
 pytestmark = pytest.mark.process

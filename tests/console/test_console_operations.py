@@ -25,7 +25,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import pytest
 
 from tests.console.console_world import World, execute, home_of, make_world
-from tests.consoles import Client, Console, running_console
+from tests.console.consoles import Client, Console, running_console
 from tests.ops_app import FIXED
 from tests.workers import relayr_environment, relayr_here
 
@@ -52,7 +52,7 @@ def text_of(page: str) -> str:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[World, Console]]:
     home = tmp_path_factory.mktemp("operations")
     environment = relayr_environment(
-        home, app="tests.console_app:create_console_app", console_token=TOKEN
+        home, app="tests.console.console_app:create_console_app", console_token=TOKEN
     )
     made = make_world(environment, dead=4, dead_elsewhere=1, pending=2, bulk=120)
     with running_console(environment, home) as console:
@@ -194,7 +194,7 @@ def test_cancel_and_skip_ask_for_a_reason_and_record_who_and_why(
 
 def test_the_operator_is_named_by_the_proxys_header_when_told(tmp_path: Path) -> None:
     environment = relayr_environment(
-        tmp_path, app="tests.console_app:create_console_app", console_token=TOKEN
+        tmp_path, app="tests.console.console_app:create_console_app", console_token=TOKEN
     )
     made = make_world(environment, dead=1, dead_elsewhere=0, missing_thread=0, hostile=0, pending=0)
     [run] = made.dead
@@ -222,7 +222,7 @@ def test_each_operator_logs_in_with_a_token_of_their_own_and_acts_under_their_na
     tokens.write_text("".join(f'{name} = "{token}"\n' for name, token in OPERATORS.items()))
     environment = relayr_environment(
         tmp_path,
-        app="tests.console_app:create_console_app",
+        app="tests.console.console_app:create_console_app",
         console_token=TOKEN,
         console_tokens=tokens,
     )

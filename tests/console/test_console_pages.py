@@ -25,8 +25,8 @@ from relayr.runtime.allowlist_file import load_allowlist
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.console.console_http import SCRIPT, WHERE, environment_of
+from tests.console.consoles import Client, Console, chromium, running_console
 from tests.console.test_console_phone import DESK, PHONE, WIDE, shots
-from tests.consoles import Client, Console, chromium, running_console
 from tests.workers import relayr_json
 
 pytestmark = pytest.mark.process

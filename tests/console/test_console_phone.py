@@ -20,7 +20,7 @@ import pytest
 
 from relayr.observe.health import SupervisorStatus, heartbeat_path, status_path, write_status
 from tests.console.console_world import World, make_world
-from tests.consoles import chromium, running_console
+from tests.console.consoles import chromium, running_console
 from tests.workers import relayr_environment, relayr_json
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
@@ -56,7 +56,7 @@ def shots(tmp_path: Path) -> Path:
 
 def test_an_operator_on_a_phone_finds_a_frozen_worker_and_acts_once(tmp_path: Path) -> None:
     environment = relayr_environment(
-        tmp_path, app="tests.console_app:create_console_app", console_token=TOKEN
+        tmp_path, app="tests.console.console_app:create_console_app", console_token=TOKEN
     )
     world: World = make_world(environment, dead=2, dead_elsewhere=1, pending=1)
     freeze_worker(tmp_path)

@@ -15,7 +15,7 @@ import pytest
 
 from relayr.cli.processes import relayr_command
 from tests.console.console_http import environment_of
-from tests.consoles import Console, running_console
+from tests.console.consoles import Console, running_console
 from tests.workers import REPO, relayr_output
 
 pytestmark = pytest.mark.process

@@ -17,7 +17,7 @@ from relayr.console.security import (
     MAX_BODY_BYTES,
 )
 from tests.console.console_http import TOKEN, environment_of
-from tests.consoles import Client, Console, running_console
+from tests.console.consoles import Client, Console, running_console
 from tests.workers import relayr_output
 
 pytestmark = pytest.mark.process

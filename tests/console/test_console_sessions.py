@@ -17,7 +17,7 @@ import pytest
 
 from relayr.console.security import LOGGED_IN_AT, SESSION_COOKIE, SESSION_MAX_AGE_S
 from tests.console.console_http import TOKEN
-from tests.consoles import Client, Console, signed_session
+from tests.console.consoles import Client, Console, signed_session
 
 pytestmark = pytest.mark.process
 

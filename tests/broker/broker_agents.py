@@ -1,16 +1,16 @@
-"""Producer and consumer processes for the embedded broker's fuzz test (and its benchmark).
+"""Producer and consumer processes for the embedded broker's fuzz and dead-consumer tests.
 
-``python -m tests.broker_agents produce <folder> <queue> <producer> <count> <seed>`` publishes
-``count`` messages as fast as it can, then prints one JSON line (how many, in how long). Each
-body names its message (``<producer>-<n>``) and carries text of a random length with its
-SHA-256, so a consumer can tell a message read whole from one read in part.
+``python -m tests.broker.broker_agents produce <folder> <queue> <producer> <count> <seed>``
+publishes ``count`` messages as fast as it can, then prints one JSON line (how many, in how
+long). Each body names its message (``<producer>-<n>``) and carries text of a random length
+with its SHA-256, so a consumer can tell a message read whole from one read in part.
 
-``python -m tests.broker_agents hold <folder> <queue> <count> <ready_file>`` takes ``count``
+``python -m tests.broker.broker_agents hold <folder> <queue> <count> <ready_file>`` takes ``count``
 messages without acknowledging them, forks a child that sleeps (as a Celery pool process
 would, inheriting the open lock file), writes the child's pid to ``ready_file`` and sleeps: for
 a test to SIGKILL it while it holds them.
 
-``python -m tests.broker_agents consume <folder> <queue> <log> <kill_after> <stop_file>``
+``python -m tests.broker.broker_agents consume <folder> <queue> <log> <kill_after> <stop_file>``
 consumes with a prefetch of :data:`PREFETCH`, acknowledging in batches, and appends to ``log``
 one line per message taken (``T <id> ok``, or ``T <id> bad <why>``) and one per batch
 acknowledged (``A <id> <id> ...``), each with one ``write``, so a SIGKILL never splits a line.

@@ -1,6 +1,6 @@
 """An application for the embedded broker's worker tests: one rule whose run waits on a gate.
 
-``RELAYR_APP=tests.broker_app:create_gated_app``: publishing :class:`Gated` fires the rule
+``RELAYR_APP=tests.broker.broker_app:create_gated_app``: publishing :class:`Gated` fires the rule
 ``test:gated``, whose action waits until the file :data:`GATE_FILE` exists in ``RELAYR_HOME``
 (at most :data:`GATE_MAX_WAIT_S`). While it waits, its worker holds the run's message
 unacknowledged (late acks): the test kills the worker at that known point, not on a timer.
