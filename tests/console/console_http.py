@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.console.consoles import Console, running_console
-from tests.workers import relayr_environment, relayr_json
+from tests.workers import relayr_environment, relayr_here
 
 TOKEN = "console-test-token-0123456789abcdef"
 WHERE = "acme/ops"
@@ -38,6 +38,6 @@ def read_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Consol
     allowlist = home / "allowlist.toml"
     allowlist.write_text(f'[rules."{SCRIPT}"]\nturns = true\n')
     environment = environment_of(home, allowlist=allowlist)
-    thread = relayr_json(environment, "thread", "create", WHERE, "--title", SCRIPT)["id"]
+    thread = relayr_here(environment, "thread", "create", WHERE, "--title", SCRIPT)["id"]
     with running_console(environment, home) as console:
         yield console, thread

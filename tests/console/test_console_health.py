@@ -23,7 +23,7 @@ from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from rules.example import DeployFinished
 from tests.console.consoles import Client, running_console
-from tests.workers import relayr_environment, relayr_json
+from tests.workers import relayr_environment, relayr_here
 
 pytestmark = pytest.mark.process
 
@@ -95,8 +95,8 @@ def test_a_frozen_worker_lag_in_time_and_dead_letters_replayed(tmp_path: Path) -
             _, page, _ = client.get(console.at(path))
             assert "worker frozen: worker pid 4242 is up" in text_of(page), path
 
-        relayr_json(environment, "follow", "--once")
-        [letter] = relayr_json(environment, "follow", "dead-letters", "list")
+        relayr_here(environment, "follow", "--once")
+        [letter] = relayr_here(environment, "follow", "dead-letters", "list")
         _, page, _ = client.get(console.at("/health"))
         assert f'data-envelope="{letter["envelope_id"]}"' in page
         assert "cause_missing" in page
@@ -119,5 +119,5 @@ def test_a_frozen_worker_lag_in_time_and_dead_letters_replayed(tmp_path: Path) -
         assert "Replayed: acme/ops: 0 bridged, 1 failed again" in text_of(page)
         _, page, _ = client.get(console.at("/health"))
         assert "Replayed:" not in page  # said once
-    [again] = relayr_json(environment, "follow", "dead-letters", "list")
+    [again] = relayr_here(environment, "follow", "dead-letters", "list")
     assert again["tries"] == 2

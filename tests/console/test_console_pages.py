@@ -27,7 +27,7 @@ from relayr.settings import Settings
 from tests.console.console_http import SCRIPT, WHERE, environment_of
 from tests.console.consoles import Client, Console, chromium, running_console
 from tests.console.test_console_phone import DESK, PHONE, WIDE, shots
-from tests.workers import relayr_json
+from tests.workers import relayr_here
 
 pytestmark = pytest.mark.process
 
@@ -91,7 +91,7 @@ def test_a_run_id_two_workspaces_hold_is_shown_with_its_workspace_only(tmp_path:
     environment = environment_of(tmp_path)
     data = json.dumps({"thread_id": "thr_1", "payload": "same"})
     for where in ("acme/ops", "acme/billing"):
-        relayr_json(environment, "publish", where, "consolew:hostile", "--data", data)
+        relayr_here(environment, "publish", where, "consolew:hostile", "--data", data)
 
     async def fired() -> set[str]:
         runtime = await Runtime.start(Settings.from_env(environment), role="cli")
@@ -135,7 +135,7 @@ def test_the_limits_page_and_the_runs_a_limit_holds_back(tmp_path: Path) -> None
     environment = environment_of(tmp_path, allowlist=allowlist)
     for payload in ("first", "second"):
         data = json.dumps({"thread_id": "thr_1", "payload": payload})
-        relayr_json(environment, "publish", WHERE, "consolew:hostile", "--data", data)
+        relayr_here(environment, "publish", WHERE, "consolew:hostile", "--data", data)
 
     async def one_waits() -> str:
         runtime = await Runtime.start(Settings.from_env(environment), role="cli")

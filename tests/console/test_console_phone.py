@@ -21,7 +21,7 @@ import pytest
 from relayr.observe.health import SupervisorStatus, heartbeat_path, status_path, write_status
 from tests.console.console_world import World, make_world
 from tests.console.consoles import chromium, running_console
-from tests.workers import relayr_environment, relayr_json
+from tests.workers import relayr_environment, relayr_here
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -100,7 +100,7 @@ def test_an_operator_on_a_phone_finds_a_frozen_worker_and_acts_once(tmp_path: Pa
         for _ in range(2):
             page.reload()
             assert "cancelled" in page.locator("#results").inner_text()
-        report = relayr_json(environment, "runs", "show", pending.id, "--workspace", where)
+        report = relayr_here(environment, "runs", "show", pending.id, "--workspace", where)
         assert [(a["action"], a["who"], a["reason"]) for a in report["actions"]] == [
             ("cancel", "console", "duplicate of an older alert")
         ]
@@ -117,7 +117,7 @@ def test_an_operator_on_a_phone_finds_a_frozen_worker_and_acts_once(tmp_path: Pa
         desk.goto(console.at("/"))
         assert desk.locator("#chart rect.bar.dead").count() >= 1
         assert desk.locator('#figures [data-status="dead"] a').inner_text() == str(
-            len(relayr_json(environment, "runs", "list", "--status", "dead"))
+            len(relayr_here(environment, "runs", "list", "--status", "dead"))
         )
         desk.screenshot(path=str(folder / "overview-1280.png"), full_page=True)
         desk.goto(console.at("/runs"))

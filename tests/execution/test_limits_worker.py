@@ -42,6 +42,7 @@ from tests.services import forgetting_redis_queue
 from tests.workers import (
     RelayrProcess,
     relayr_environment,
+    relayr_here,
     relayr_json,
     running_dispatcher,
     start_worker,
@@ -238,10 +239,10 @@ async def until(
 def ops_see_the_first_minute(environment: dict[str, str]) -> None:
     """After the first minute: ten turns used, the forty others wait, each saying why and
     when its turn in the line comes: ten at each of the next four minutes (ADR-0118)."""
-    [use] = relayr_json(environment, "limits")
+    [use] = relayr_here(environment, "limits")
     assert (use["limit"], use["kind"], use["bound"]) == ("limits.triage", "turns_per", "10/1m")
     assert (use["used"], use["waiting"]) == (PER_MINUTE, INCIDENTS - PER_MINUTE)
-    waiting = relayr_json(environment, "runs", "list", "--status", "pending", "--limit", "1000")
+    waiting = relayr_here(environment, "runs", "list", "--status", "pending", "--limit", "1000")
     assert len(waiting) == INCIDENTS - PER_MINUTE
     assert Counter(row["waiting"] for row in waiting) == {
         f"waiting: turns_per 10/1m of limits.triage, next at {at.isoformat()}": PER_MINUTE
@@ -473,7 +474,7 @@ async def tokens_scenario(environment: dict[str, str]) -> None:
                 assert done == incidents or sum(hours) >= TOKEN_BUDGET
                 [tokens] = [
                     use
-                    for use in await asyncio.to_thread(relayr_json, environment, "limits")
+                    for use in await asyncio.to_thread(relayr_here, environment, "limits")
                     if use["kind"] == "tokens_per"
                 ]
                 assert tokens["used"] == sum(hours)  # what the turns' usage says they spent
