@@ -12,8 +12,7 @@ The same holds for ``relayr dispatch`` (:func:`running_dispatcher`). What the te
 these processes is shared too: their JSON log lines (:func:`log_records`), a bounded wait
 for a condition that fails at once, with the logs, if a process it needs died
 (:func:`until`), and relayr's commands: as a process of their own (:func:`relayr_json`,
-:func:`relayr_output`), or in the test's own process for the reads it polls
-(:func:`relayr_here`).
+:func:`relayr_output`), or in the test's own process (:func:`relayr_here`).
 """
 
 import json
@@ -83,9 +82,12 @@ def relayr_here(environment: Mapping[str, str], *args: str) -> Any:
     """``relayr ARGS --json`` in this process (click's runner), its last line parsed; it must
     exit 0.
 
-    For the reads a test polls while its processes work: as a process, each would be a Python
-    start (0.8 s of CPU) every :data:`POLL_S`, most of a core beside the processes under test.
-    The command configures logging as a process's main would; this process's is put back.
+    For what a test makes, publishes and reads with relayr's commands around the processes under
+    test, and above all for what it polls: as a process, each command would be a Python start
+    (about 2 s of CPU on the 2-core machine, beside the processes under test). A command whose
+    exit code or stderr the test checks, or that ops type as an action, runs as a process of its
+    own (:func:`relayr_output`, :func:`relayr_json`). The command configures logging as a
+    process's main would; this process's is put back.
     """
     from click.testing import CliRunner, Result
 
