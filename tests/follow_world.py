@@ -36,6 +36,7 @@ from relayr.runtime.application import Application, open_storage
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.follow_app import ACTIONS, ALLOWLIST, agent, rule_workspaces
+from tests.workers import TURNS_SETTLE_S
 
 TENANT, WORKSPACE = "acme", "ops"
 KEY = WorkspaceKey(TENANT, WORKSPACE)
@@ -124,14 +125,14 @@ class World:
         raise AssertionError("the world did not settle")
 
     async def turns_ended(self) -> int:
-        """Wait for the turns this runtime started; how many there were."""
-        bridge, runner = self.runtime.bridge, self.runtime.bridge.runner
-        assert runner is not None
+        """Wait for the turns this runtime started, and those they handed their threads over
+        to; how many there were."""
+        turns = self.runtime.bridge.turns
         waited = 0
-        while running := bridge.turns.running():
-            waited += len(running)
-            await asyncio.gather(*(handle.task for handle in running), return_exceptions=True)
-            await runner.drain()
+        async with asyncio.timeout(TURNS_SETTLE_S):
+            while pending := turns.pending():
+                waited += len(turns.running())
+                await asyncio.wait(pending)
         return waited
 
     async def bridged(self) -> list[Envelope]:

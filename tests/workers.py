@@ -40,6 +40,7 @@ __all__ = [
     "READY_TIMEOUT_S",
     "REPO",
     "STOP_TIMEOUT_S",
+    "TURNS_SETTLE_S",
     "RelayrProcess",
     "log_records",
     "relayr_environment",
@@ -57,6 +58,10 @@ DISPATCHER_READY: Final = '"runtime started"'
 
 COMMAND_TIMEOUT_S: Final = 120.0
 """How long a relayr command run as a process may take: far above what one needs."""
+
+TURNS_SETTLE_S: Final = 60.0
+"""How long a test waits for a process's agent turns to end (``StartedTurns.settled``): a
+scripted model's turn takes milliseconds."""
 
 POLL_S: Final = 0.2
 """How often :func:`until` looks again: a probe reads a store or a log, cheap at this rate."""

@@ -5,7 +5,8 @@ builds one on its own long-lived loop after it forks and hands it to every run a
 """
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -36,7 +37,13 @@ def utc_now() -> datetime:
 
 @dataclass
 class StartedTurns:
-    """The agent turns this process started, so a shutdown can give them a grace period.
+    """The agent turns this process started, and the turns they hand their threads over to, so
+    a shutdown can give them a grace period (:meth:`settled`).
+
+    A turn that ends with a message left for the next hands its thread over: artifactr's Runner
+    starts the thread's next turn itself, in the background, and ``Runner.drain`` waits for
+    that turn to start, not to end. So when a tracked turn ends, the turn its thread was
+    handed to, if any, is tracked too (``runner``).
 
     A turn that fails on a transient storage fault (a dropped connection) before it took its
     message leaves the message untaken: artifactr's Runner leaves it to the thread's next
@@ -45,8 +52,10 @@ class StartedTurns:
     does nothing if a turn took it.
     """
 
+    runner: Runner[Any] | None = None
     handles: set[RunHandle] = field(default_factory=set)
     asking: set["asyncio.Task[None]"] = field(default_factory=set)
+    following: set["asyncio.Task[None]"] = field(default_factory=set)
 
     def started(self, handle: RunHandle | None, *, ask_again: Ask | None = None) -> None:
         self._track(handle, ask_again, ASK_AGAIN_TRIES)
@@ -59,6 +68,8 @@ class StartedTurns:
 
         def ended(task: "asyncio.Task[Any]") -> None:
             self.handles.discard(handle)
+            if self.runner is not None:
+                self._background(self.following, self._follow(self.runner, handle.thread_id))
             failure = None if task.cancelled() else task.exception()
             if ask_again is None or tries <= 0 or failure is None or not is_transient(failure):
                 return
@@ -68,11 +79,20 @@ class StartedTurns:
                 thread_id=handle.thread_id,
                 error=f"{type(failure).__name__}: {failure}",
             )
-            asking = asyncio.get_running_loop().create_task(self._ask(ask_again, tries - 1))
-            self.asking.add(asking)
-            asking.add_done_callback(self.asking.discard)
+            self._background(self.asking, self._ask(ask_again, tries - 1))
 
         handle.task.add_done_callback(ended)
+
+    @staticmethod
+    def _background(tasks: set["asyncio.Task[None]"], work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _follow(self, runner: Runner[Any], thread_id: str) -> None:
+        """Track the turn an ended turn's thread was handed over to, once it started."""
+        await runner.drain()
+        self._track(runner.running(thread_id), None, 0)
 
     async def _ask(self, ask_again: Ask, tries: int) -> None:
         await asyncio.sleep(BACKOFF_S[0])
@@ -84,8 +104,27 @@ class StartedTurns:
             )
 
     def running(self) -> list[RunHandle]:
-        """The turns still running (a shutdown waits for them, :mod:`relayr.runtime.process`)."""
+        """The turns still running."""
         return [handle for handle in self.handles if not handle.task.done()]
+
+    def pending(self) -> list["asyncio.Future[Any]"]:
+        """What a wait for this process's turns waits on: the turns running, the turns being
+        asked for again, and the hand-overs being looked for."""
+        return [*(handle.task for handle in self.running()), *self.asking, *self.following]
+
+    async def settled(self, timeout_s: float) -> tuple[int, int]:
+        """Wait up to ``timeout_s`` until nothing is :meth:`pending`; how many turns are still
+        running then, and how many are still being asked for again."""
+        deadline = time.monotonic() + timeout_s
+        while (pending := self.pending()) and (remaining := deadline - time.monotonic()) > 0:
+            await asyncio.wait(pending, timeout=remaining)
+        return len(self.running()), len(self.asking)
+
+    async def aclose(self) -> None:
+        """Stop looking for hand-overs (after the Runner closed, none is coming)."""
+        for task in self.following:
+            task.cancel()
+        await asyncio.gather(*self.following, return_exceptions=True)
 
 
 @dataclass
@@ -113,3 +152,7 @@ class Bridge:
     app: Any = None
     turns: StartedTurns = field(default_factory=StartedTurns)
     limits: LimitStore = field(default_factory=InMemoryLimitStore)
+
+    def __post_init__(self) -> None:
+        if self.turns.runner is None:
+            self.turns.runner = self.runner  # the turns' hand-overs are this Runner's

@@ -7,10 +7,8 @@ recovers turns asked for and never taken. Closing always completes: running turn
 ``turn_grace_s``, then everything is closed and disposed of, so no lock outlives the loop.
 """
 
-import asyncio
 import os
 import socket
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -207,6 +205,7 @@ class Runtime:
                 )
             if self.bridge.runner is not None:
                 await self.bridge.runner.aclose()
+                await self.bridge.turns.aclose()
             await self.bridge.ledger.aclose()
         finally:
             await self.application.aclose()
@@ -219,36 +218,12 @@ class Runtime:
         await self.aclose()
 
     async def _grace(self, grace_s: float) -> tuple[int, int]:
-        """Wait up to ``grace_s`` for this process's turns, and the turns they hand over to.
-
-        A turn that ends hands its thread to the next one asked for meanwhile
-        (docs/libraries.md, A4); that turn is waited for too, and so is a turn being asked for
-        again (one that failed to start). Returns how many turns are still running, and how
-        many are still being asked for again.
-        """
-        runner = self.bridge.runner
-        turns = self.bridge.turns
-        if runner is None:
+        """Wait up to ``grace_s`` for this process's turns, the turns they hand their threads
+        over to, and the turns being asked for again (one that failed to start); how many are
+        still running, and how many still being asked for again."""
+        if self.bridge.runner is None:
             return 0, 0
-        deadline = time.monotonic() + grace_s
-        threads: set[str] = set()
-        while True:
-            running = turns.running()
-            threads |= {handle.thread_id for handle in running}
-            remaining = deadline - time.monotonic()
-            if not (running or turns.asking) or remaining <= 0:
-                return len(running), len(turns.asking)
-            # a turn asked for again (one that failed to start) is waited for too
-            await asyncio.wait(
-                [*(handle.task for handle in running), *turns.asking], timeout=remaining
-            )
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
-                    await runner.drain()
-            except TimeoutError:
-                return len(turns.running()), len(turns.asking)
-            for thread in threads:
-                turns.started(runner.running(thread))
+        return await self.bridge.turns.settled(grace_s)
 
 
 def _traced_turns(settings: Settings, ledger: Ledger) -> TurnContext | None:

@@ -49,6 +49,7 @@ from relayr.ledger import (
     WriteKind,
 )
 from relayr.runtime.bridge import Bridge
+from tests.workers import TURNS_SETTLE_S
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 HOME = WorkspaceKey("acme", "ops")
@@ -215,14 +216,8 @@ class World:
         return await self.ledger.emissions(key, run_id)
 
     async def settle(self) -> None:
-        for _ in range(50):
-            running = self.bridge.turns.running()
-            if not running:
-                await self.runner.drain()
-                if not self.bridge.turns.running():
-                    return
-            await asyncio.gather(*(handle.task for handle in running), return_exceptions=True)
-        raise AssertionError("turns did not settle")
+        """Wait until no turn runs: those the runs started, and those they handed over to."""
+        assert await self.bridge.turns.settled(TURNS_SETTLE_S) == (0, 0), "turns did not settle"
 
 
 type StorageKind = Literal["memory", "sqlite"]

@@ -4,7 +4,6 @@ Each attempt of a run gets a fresh RunActions, as the executor gives it, over th
 tests check what artifactr's log holds afterwards, not what relayr says it did.
 """
 
-import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 from artifactr import MarkdownArtifact, UserActor
 from artifactr import Workspaces as ArtifactWorkspaces
-from artifactr.agent import ArtifactWorkspace, RunHandle, Runner, Session, function_model
+from artifactr.agent import ArtifactWorkspace, Runner, Session, function_model
 from artifactr.core import MessagePosted, PostMessage, RunStarted
 from artifactr.sql import SqlStorage, create_sqlite_engine, migrate
 from artifactr.workspace import InMemoryStorage as ArtifactMemory
@@ -31,6 +30,7 @@ from relayr.execution.actions import RunActions, acting
 from relayr.ledger import Cause, InMemoryLedger, WorkspaceKey
 from relayr.ledger.turns import turn_cause
 from relayr.runtime.bridge import Bridge
+from tests.workers import TURNS_SETTLE_S
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 TENANT, WORKSPACE = "acme", "ops"
@@ -160,25 +160,8 @@ class Harness:
 
     async def settle_turns(self) -> None:
         """Wait until no turn runs: those the runs started, and those the Runner started itself
-        when a turn ended with a message left for the next (its hand-over, which neither the
-        bridge tracks nor ``Runner.drain`` waits for)."""
-        for _ in range(50):
-            running = await self._running_turns()
-            if not running:
-                await self.runner.drain()
-                if not await self._running_turns():
-                    return
-            await asyncio.gather(*(handle.task for handle in running), return_exceptions=True)
-        raise AssertionError("turns did not settle")
-
-    async def _running_turns(self) -> list[RunHandle]:
-        handle = await self.artifacts.open(TENANT, WORKSPACE, actor=self.user)
-        handed_over = [self.runner.running(thread.id) for thread in await handle.threads()]
-        return [
-            turn
-            for turn in {*self.bridge.turns.running(), *filter(None, handed_over)}
-            if not turn.task.done()
-        ]
+        when one of them ended with a message left for the next (its hand-over)."""
+        assert await self.bridge.turns.settled(TURNS_SETTLE_S) == (0, 0), "turns did not settle"
 
 
 @pytest.fixture(params=["memory", "sqlite"])

@@ -106,6 +106,69 @@ async def test_shutdown_lets_running_turns_finish_within_the_grace(tmp_path: Pat
         await check.aclose()
 
 
+def relay_agent(
+    replying: list[asyncio.Event], reply: list[asyncio.Event]
+) -> Agent[Session[None], str]:
+    """The example's agent, whose ``n``-th reply sets ``replying[n]``, then waits for
+    ``reply[n]``."""
+    calls = 0
+
+    async def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        nonlocal calls
+        call, calls = calls, calls + 1
+        replying[call].set()
+        await reply[call].wait()
+        return ModelResponse(parts=[TextPart(REPLY)])
+
+    return Agent(
+        function_model(respond),
+        deps_type=Session[None],
+        capabilities=[ArtifactWorkspace(types=[TriageNote])],
+    )
+
+
+async def test_shutdown_waits_for_the_turn_a_finished_turn_handed_its_thread_to(
+    tmp_path: Path,
+) -> None:
+    """A message sent while the rule's turn replies is left to the thread's next turn, which
+    artifactr's Runner starts itself as the first ends (its hand-over). The grace waits for it,
+    although it began before the shutdown and after the turn the worker started had ended."""
+    settings = settings_for(f"sqlite+aiosqlite:///{tmp_path}/relayr.db", tmp_path, turn_grace_s=60)
+    replying, reply = [asyncio.Event(), asyncio.Event()], [asyncio.Event(), asyncio.Event()]
+    application = dataclasses.replace(await build_app(settings), agent=relay_agent(replying, reply))
+    runtime = await Runtime.start(settings, role="worker", application=application)
+    runner = runtime.bridge.runner
+    assert runner is not None
+    example = Example(runtime)
+    thread = await example.thread("incident")
+    await example.publish(IncidentOpened(title="slow", thread_id=thread))
+    [executed] = await example.work()
+    assert executed.outcome == "succeeded"
+    await asyncio.wait_for(replying[0].wait(), 30)
+    person = await runtime.application.artifacts.open(TENANT, WORKSPACE, actor=ALICE)
+    assert (await runner.send(person, thread, "and the queue?")).run is None  # left to the next
+    reply[0].set()
+    await asyncio.wait_for(replying[1].wait(), 30)  # the Runner's own turn, handed the thread
+
+    closing = asyncio.create_task(runtime.aclose())
+    await asyncio.sleep(0)  # aclose runs up to its first wait: the grace, for that turn
+    assert not closing.done()
+    reply[1].set()
+    await asyncio.wait_for(closing, 30)
+
+    check = await build_app(settings)
+    try:
+        handle = await check.artifacts.open(TENANT, WORKSPACE, actor=ALICE)
+        ended = [
+            e.event.status
+            for e in await handle.read(threads={thread})
+            if isinstance(e.event, RunEnded)
+        ]
+        assert ended == ["completed", "completed"]
+    finally:
+        await check.aclose()
+
+
 async def test_shutdown_stops_turns_that_outlive_the_grace(tmp_path: Path) -> None:
     settings = settings_for(f"sqlite+aiosqlite:///{tmp_path}/relayr.db", tmp_path, turn_grace_s=0.2)
     runtime = await Runtime.start(

@@ -6,7 +6,6 @@ propose a triage note and name it in a notice. None of them answers a notice, so
 goes quiet: no rule answers another's notice, and nothing is posted twice.
 """
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from rules.example import REPLY, SCRIBE_TOOL_CALLS, IncidentOpened
 from rules.example.rules import INBOUND_RULES, INCIDENT_SCRIBE
-from tests.workers import ALLOWLIST
+from tests.workers import ALLOWLIST, TURNS_SETTLE_S
 
 TENANT, WORKSPACE = "acme", "ops"
 ALICE = UserActor(id="alice")
@@ -66,7 +65,7 @@ async def settle(runtime: Runtime) -> None:
         for batch in queue:
             await execute_runs(runtime, TENANT, WORKSPACE, list(batch.run_ids))
         turns = runtime.bridge.turns.running()
-        await asyncio.gather(*(turn.task for turn in turns), return_exceptions=True)
+        assert await runtime.bridge.turns.settled(TURNS_SETTLE_S) == (0, 0)
         if not (done.bridged or done.firings or queue or turns):
             return
     raise AssertionError("the example did not settle")

@@ -5,7 +5,6 @@ notices, the triage turn of the offline agent, nothing posted twice, nothing wri
 the grant that rules/allowlist.toml gives the triage rule alone.
 """
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from rules.example import (
 )
 from tests.example_runtime import TENANT, WORKSPACE, Example, settings_for
 from tests.services import STORAGES, storage_url
-from tests.workers import ALLOWLIST
+from tests.workers import ALLOWLIST, TURNS_SETTLE_S
 
 
 @pytest.fixture(params=STORAGES)
@@ -65,8 +64,7 @@ async def test_an_incident_starts_a_turn_of_the_offline_agent(example: Example) 
     await example.publish(IncidentOpened(title="checkout errors", thread_id=thread))
 
     [executed] = await example.work()
-    turns = example.runtime.bridge.turns.running()
-    await asyncio.wait_for(asyncio.gather(*(t.task for t in turns)), 10)
+    assert await example.runtime.bridge.turns.settled(TURNS_SETTLE_S) == (0, 0)
 
     assert executed.outcome == "succeeded"
     transcript = await example.transcript(thread)

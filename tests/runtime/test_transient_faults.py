@@ -51,7 +51,7 @@ from tasks.app import create_celery
 from tasks.runs import send_runs
 from tests.runtime.proxy import Proxy
 from tests.services import REDIS_PORT, forget_redis_queue
-from tests.workers import ALLOWLIST, relayr_environment, running_worker
+from tests.workers import ALLOWLIST, TURNS_SETTLE_S, relayr_environment, running_worker
 
 TENANT, WORKSPACE = "acme", "ops"
 KEY = WorkspaceKey(TENANT, WORKSPACE)
@@ -325,10 +325,7 @@ async def test_a_lease_renewal_survives_one_fault(world: World) -> None:
 
 
 async def _turns_end(world: World) -> None:
-    turns = world.runtime.bridge.turns
-    async with asyncio.timeout(GATE_TIMEOUT_S):
-        while (running := turns.running()) or turns.asking:
-            await asyncio.gather(*(t.task for t in running), *turns.asking, return_exceptions=True)
+    assert await world.runtime.bridge.turns.settled(TURNS_SETTLE_S) == (0, 0)
 
 
 @pytest.mark.worker
