@@ -4,9 +4,7 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
-from kombu import Connection, Queue
 
-from tests.broker_files import QUEUE, connect
 from tests.faults.private_redis import PrivateRedis, private_redis
 from tests.services import (
     REDIS_HOST,
@@ -106,17 +104,3 @@ def redis_server(tmp_path: Path) -> Iterator[PrivateRedis]:
     require_program("redis-server")
     with private_redis(tmp_path / "redis") as server:
         yield server
-
-
-@pytest.fixture
-def folder(tmp_path: Path) -> Path:
-    """The embedded broker's folder of this test's own, not made yet."""
-    return tmp_path / "broker"
-
-
-@pytest.fixture
-def conn(folder: Path) -> Iterator[Connection]:
-    """A connection on the embedded broker in ``folder``, its test queue declared."""
-    with connect(folder) as connection:
-        Queue(QUEUE, routing_key=QUEUE)(connection.default_channel).declare()
-        yield connection

@@ -23,7 +23,7 @@ from kombu import Connection, Consumer, Queue
 from relayr.broker import layout
 from relayr.broker.consumers import Holder, own_consumer_ids, recover_dead_consumers
 from relayr.broker.filesystem import RECOVER_EVERY_S
-from tests.broker_files import QUEUE, connect, held, publish, waiting
+from tests.broker.broker_files import QUEUE, connect, held, publish, waiting
 from tests.workers import REPO
 
 pytestmark = pytest.mark.process

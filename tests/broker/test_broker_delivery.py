@@ -16,7 +16,7 @@ from relayr.broker import layout, queue_depth
 from relayr.broker.dead_letters import SET_ASIDE
 from relayr.settings import Settings
 from tasks.runs import BACKLOG_PRIORITY
-from tests.broker_files import QUEUE, connect, held, publish, set_aside, take, waiting
+from tests.broker.broker_files import QUEUE, connect, held, publish, set_aside, take, waiting
 
 
 def test_a_published_message_is_whole_in_its_queue_and_nothing_stays_behind(

@@ -27,8 +27,8 @@ from relayr.broker import layout, queue_depth
 from relayr.broker.dead_letters import SET_ASIDE
 from relayr.broker.redis import dead_letter_list
 from relayr.settings import Settings
+from tests.broker.broker_files import QUEUE, connect, held, publish, set_aside, take, waiting
 from tests.broker.broker_samples import GARBAGE
-from tests.broker_files import QUEUE, connect, held, publish, set_aside, take, waiting
 from tests.services import forget_redis_queue
 
 

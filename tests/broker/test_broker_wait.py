@@ -18,7 +18,7 @@ from kombu import Connection, Consumer, Queue
 
 from relayr.broker import FILESYSTEM_TRANSPORT, layout
 from relayr.broker.filesystem_wait import NotifiedWait, PolledWait, open_wait
-from tests.broker_files import QUEUE, publish, waiting
+from tests.broker.broker_files import QUEUE, publish, waiting
 
 LONG_POLL_S: Final = 30.0
 """A polling interval no wait in these tests comes near: what is taken sooner was notified."""

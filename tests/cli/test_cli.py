@@ -25,7 +25,7 @@ from relayr.cli import cli
 from relayr.cli.processes import RelayrProcess, relayr_command
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
-from tests.supervised import kill_left_worker
+from tests.runtime.supervised import kill_left_worker
 from tests.workers import REPO, relayr_environment
 
 SUBCOMMANDS = [

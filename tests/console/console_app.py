@@ -1,6 +1,6 @@
 """An application for the console's tests on real workers, named by ``RELAYR_APP``.
 
-- The ops tests' rules (:mod:`tests.ops_app`): ``ops:backup-check`` posts a notice, then fails
+- The ops tests' rules (:mod:`tests.ops.ops_app`): ``ops:backup-check`` posts a notice, then fails
   (``backup_down``) until the file ``fixed`` exists in the home directory, so it dies after its
   retry policy and succeeds once ops fixed the backup and retried it.
 - ``console:hostile`` posts the event's ``payload`` as a notice and fails with it for good, under
@@ -19,8 +19,8 @@ from relayr.execution.actions import acting
 from relayr.runtime.application import Application, open_storage
 from relayr.settings import Settings
 from rules.example import TriageNote, triage_agent
-from tests.ops_app import RULES as OPS_RULES
-from tests.ops_app import (
+from tests.ops.ops_app import RULES as OPS_RULES
+from tests.ops.ops_app import (
     BackupDue,
     BackupLost,
     DiskFull,

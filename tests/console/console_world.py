@@ -23,7 +23,7 @@ from relayr.execution.executor import execute_run
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.console.console_app import HostileDue
-from tests.ops_app import BackupDue
+from tests.ops.ops_app import BackupDue
 
 ENDED = ("succeeded", "dead", "cancelled", "skipped")
 

@@ -28,7 +28,7 @@ import pytest
 
 from tests.console.console_app import HOSTILE_REASON
 from tests.console.consoles import Console, chromium, dispatching, running_console, until
-from tests.ops_app import FIXED
+from tests.ops.ops_app import FIXED
 from tests.workers import relayr_environment, relayr_here, relayr_json, running_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]

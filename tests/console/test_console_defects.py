@@ -42,7 +42,7 @@ from tests.console.console_world import (
 from tests.console.consoles import Client, Console, chromium, running_console, signed_session
 from tests.console.test_console_health import ghost_notice
 from tests.console.test_console_operations import run_url
-from tests.ops_app import FIXED, BackupDue, DiskFull
+from tests.ops.ops_app import FIXED, BackupDue, DiskFull
 from tests.workers import relayr_environment, relayr_here
 
 if TYPE_CHECKING:

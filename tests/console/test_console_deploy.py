@@ -12,7 +12,7 @@ environment), so a deployment without it is read-only.
 from itertools import pairwise
 from typing import Any
 
-from tests.deploy_files import compose, containers, deployments, k8s_documents
+from tests.project.deploy_files import compose, containers, deployments, k8s_documents
 
 
 def option(argv: list[str], name: str) -> str:

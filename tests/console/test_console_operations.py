@@ -26,7 +26,7 @@ import pytest
 
 from tests.console.console_world import World, execute, home_of, make_world
 from tests.console.consoles import Client, Console, running_console
-from tests.ops_app import FIXED
+from tests.ops.ops_app import FIXED
 from tests.workers import relayr_environment, relayr_here
 
 pytestmark = pytest.mark.process

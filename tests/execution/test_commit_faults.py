@@ -5,7 +5,7 @@ A COMMIT takes effect and then the step raises, as a connection lost while Postg
 would (:class:`LostAfterCommit`, a wrapper around the dialect's ``do_commit``): relayr tries the
 step again, which must find its own work, not take it for another executor's. A step whose
 first try rolled back counts what it committed once. And the wait between tries, a plain
-table. Runs are made and read through :mod:`tests.retries_harness`.
+table. Runs are made and read through :mod:`tests.execution.retries_harness`.
 """
 
 import re
@@ -21,7 +21,7 @@ from tenacity import AsyncRetrying, RetryCallState
 
 from relayr.execution.executor import execute_runs, fail_run
 from relayr.runtime import transient
-from tests.retries_harness import (
+from tests.execution.retries_harness import (
     RUNS_SAVED,
     SQL,
     TENANT,
@@ -31,9 +31,9 @@ from tests.retries_harness import (
     Once,
     Ordered,
 )
-from tests.retries_harness import database_url as database_url  # the storage, a fixture
-from tests.retries_harness import harness as harness  # the fixture, on every storage
-from tests.retries_harness import sample as _sample
+from tests.execution.retries_harness import database_url as database_url  # the storage, a fixture
+from tests.execution.retries_harness import harness as harness  # the fixture, on every storage
+from tests.execution.retries_harness import sample as _sample
 
 
 @dataclass

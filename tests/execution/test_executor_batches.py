@@ -3,14 +3,14 @@ memory, SQLite and PostgreSQL.
 
 An ordered scope goes on with its next runs in the same execution, and stops at a failure; an
 unordered run is executed alone; a message's runs are claimed together, whatever each one's
-state. Runs are made and read through :mod:`tests.executor_harness`; the assertions read the
-runs and the order of their facts in the store.
+state. Runs are made and read through :mod:`tests.execution.executor_harness`; the assertions
+read the runs and the order of their facts in the store.
 """
 
 from relayr.execution.executor import execute_runs
-from tests.executor_harness import REF, TENANT, WORKSPACE, Asked, Harness, Keyed
-from tests.executor_harness import database_url as database_url  # the storage, a fixture
-from tests.executor_harness import harness as harness  # the fixture, on every storage
+from tests.execution.executor_harness import REF, TENANT, WORKSPACE, Asked, Harness, Keyed
+from tests.execution.executor_harness import database_url as database_url  # the storage, a fixture
+from tests.execution.executor_harness import harness as harness  # the fixture, on every storage
 
 
 async def test_an_ordered_scope_goes_on_with_its_next_runs_in_one_execution(

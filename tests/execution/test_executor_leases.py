@@ -5,7 +5,7 @@ stopped is recorded abandoned once its lease lapses, and a run whose attempts ke
 worker dies ``worker_lost``; an operator's cancel interrupts an attempt or drops its outcome; an
 executor cancelled by its caller releases its lease at once; ``fail_run`` fails a run for good
 from outside its attempt. And what a successful run costs: three transactions (ADR-0002).
-Runs are made and read through :mod:`tests.executor_harness`.
+Runs are made and read through :mod:`tests.execution.executor_harness`.
 """
 
 import asyncio
@@ -19,7 +19,7 @@ from reflexr.workspace import run_lease
 from sqlalchemy import event
 
 from relayr.execution.executor import fail_run
-from tests.executor_harness import (
+from tests.execution.executor_harness import (
     BACKOFF,
     REF,
     TENANT,
@@ -28,8 +28,8 @@ from tests.executor_harness import (
     Harness,
     Timed,
 )
-from tests.executor_harness import database_url as database_url  # the storage, a fixture
-from tests.executor_harness import harness as harness  # the fixture, on every storage
+from tests.execution.executor_harness import database_url as database_url  # the storage, a fixture
+from tests.execution.executor_harness import harness as harness  # the fixture, on every storage
 from tests.services import SQL_STORAGES
 
 

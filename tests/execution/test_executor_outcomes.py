@@ -3,9 +3,9 @@
 An action that succeeds, fails (and is retried under its rule's policy, or fails for good),
 times out, returns what is not JSON; an action, a rule or a workspace that a deploy changed
 under a waiting run; a run that is missing or finished. Each run is made by the dispatcher's
-evaluation and executed through ``execute_run`` (:mod:`tests.executor_harness`); the assertions
-read the run and its ``reflexr:run_*`` facts in the store. And which storage errors the
-executor takes for transient, a plain table.
+evaluation and executed through ``execute_run`` (:mod:`tests.execution.executor_harness`); the
+assertions read the run and its ``reflexr:run_*`` facts in the store. And which storage errors
+the executor takes for transient, a plain table.
 """
 
 import asyncio
@@ -18,7 +18,7 @@ from reflexr.workspace import Workspaces as RuleWorkspaces
 
 from relayr.execution.executor import Executed, is_transient
 from relayr.runtime.bridge import Bridge
-from tests.executor_harness import (
+from tests.execution.executor_harness import (
     ACTIONS,
     BACKOFF,
     REF,
@@ -31,8 +31,8 @@ from tests.executor_harness import (
     Timed,
     slow,
 )
-from tests.executor_harness import database_url as database_url  # the storage, a fixture
-from tests.executor_harness import harness as harness  # the fixture, on every storage
+from tests.execution.executor_harness import database_url as database_url  # the storage, a fixture
+from tests.execution.executor_harness import harness as harness  # the fixture, on every storage
 
 
 async def test_a_due_run_succeeds(harness: Harness) -> None:

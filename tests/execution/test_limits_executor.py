@@ -2,7 +2,7 @@
 
 A worker's runtime on real reflexr storage (in memory, SQLite, PostgreSQL) with the limit store
 it opens on the same database, a clock the test moves, and runs made as the dispatcher makes
-them (tests/executor_harness.py). Nothing sleeps: gates say when an action runs.
+them (tests/execution/executor_harness.py). Nothing sleeps: gates say when an action runs.
 """
 
 from collections import Counter
@@ -24,7 +24,7 @@ from relayr.runtime.application import Application, open_storage
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
 from tests.builders import Gates
-from tests.executor_harness import TENANT, WORKSPACE, Asked, Harness, database_url
+from tests.execution.executor_harness import TENANT, WORKSPACE, Asked, Harness, database_url
 from tests.services import SQL_STORAGES
 
 __all__ = ["database_url"]

@@ -5,7 +5,7 @@ It must not keep the leases of runs it did not start, nor the mark of a run anot
 holds; it must say when it found a run of its scope abandoned; it must not lose the ledger rows
 of an attempt that was interrupted, or whose completion failed for good. Every "meanwhile" is
 made by the test: a gate the action waits on, a lease or a run the test writes, a statement
-failed in the driver (:mod:`tests.retries_harness`).
+failed in the driver (:mod:`tests.execution.retries_harness`).
 """
 
 import asyncio
@@ -17,7 +17,7 @@ from reflexr.workspace import run_lease
 from sqlalchemy.exc import OperationalError
 
 from relayr.execution.executor import execute_run, execute_runs
-from tests.retries_harness import (
+from tests.execution.retries_harness import (
     KEY,
     REF,
     RUNS_SAVED,
@@ -31,9 +31,9 @@ from tests.retries_harness import (
     Once,
     Ordered,
 )
-from tests.retries_harness import database_url as database_url  # the storage, a fixture
-from tests.retries_harness import harness as harness  # the fixture, on every storage
-from tests.retries_harness import sample as _sample
+from tests.execution.retries_harness import database_url as database_url  # the storage, a fixture
+from tests.execution.retries_harness import harness as harness  # the fixture, on every storage
+from tests.execution.retries_harness import sample as _sample
 
 
 async def test_a_later_run_of_a_scope_named_in_the_same_message_goes_on(

@@ -33,10 +33,10 @@ from relayr.follow.events import ArtifactChanged, ProposalCreated
 from relayr.ledger.port import revision_key
 from tests.execution.test_actions import ALLOWLIST, KEY, TENANT, WORKSPACE, Harness, Note
 from tests.execution.test_outbound_defects import Down
-from tests.follow_app import FollowPlan, Noted
-from tests.follow_world import KEY as WORLD_KEY
-from tests.follow_world import PERSON as WORLD_PERSON
-from tests.follow_world import World, opened
+from tests.follow.follow_app import FollowPlan, Noted
+from tests.follow.follow_world import KEY as WORLD_KEY
+from tests.follow.follow_world import PERSON as WORLD_PERSON
+from tests.follow.follow_world import World, opened
 from tests.services import SQL_STORAGES, STORAGES, storage_url
 
 RULE = "ops:triage"

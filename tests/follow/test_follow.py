@@ -1,6 +1,6 @@
 """The follower on real storage (in memory, SQLite, PostgreSQL), with runs executed in-process.
 
-Each test drives the whole loop in one process (:class:`tests.follow_world.World`), as the
+Each test drives the whole loop in one process (:class:`tests.follow.follow_world.World`), as the
 dispatcher and a worker would. What it checks is what the stores hold afterwards: the bridged
 events in reflexr's log (once each, with their kind, chain and depth), the runs the rules made,
 the notices they posted, the followers' cursors and dead letters.
@@ -29,8 +29,8 @@ from relayr.follow.projections import PROJECTIONS, Projection, Source
 from relayr.follow.reports import CAUSE_MISSING, PROJECTION_FAILED, Followed
 from relayr.ledger.port import WorkspaceKey
 from relayr.observe import telemetry
-from tests.follow_app import MAX_DEPTH, Asked, Looped
-from tests.follow_world import KEY, PERSON, TENANT, WORKSPACE, World, opened
+from tests.follow.follow_app import MAX_DEPTH, Asked, Looped
+from tests.follow.follow_world import KEY, PERSON, TENANT, WORKSPACE, World, opened
 from tests.services import SQL_STORAGES, STORAGES, storage_url
 
 BRIDGED_BY_A_QUESTION_AND_THANKS = 6

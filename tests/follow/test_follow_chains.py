@@ -1,5 +1,5 @@
 """Which chain a bridged artifact or proposal event continues, on real storage (in memory, SQLite,
-PostgreSQL), with runs executed in-process (:class:`tests.follow_world.World`).
+PostgreSQL), with runs executed in-process (:class:`tests.follow.follow_world.World`).
 
 A direct write to an artifact continues the chain of the run that made that very change, found
 in the ledger under the revision it made (ADR-0065), however many runs write the artifact: so
@@ -19,7 +19,7 @@ from reflexr.core import Envelope
 
 from relayr.follow.events import ArtifactChanged, ProposalCreated, ProposalResolved
 from relayr.ledger.port import Cause
-from tests.follow_app import (
+from tests.follow.follow_app import (
     MAX_DEPTH,
     Counted,
     FollowCounter,
@@ -27,7 +27,7 @@ from tests.follow_app import (
     FollowPlan,
     Noted,
 )
-from tests.follow_world import KEY, PERSON, World, opened
+from tests.follow.follow_world import KEY, PERSON, World, opened
 from tests.services import STORAGES, storage_url
 
 

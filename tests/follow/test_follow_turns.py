@@ -1,9 +1,9 @@
 """A turn's chain is found from the ledger alone, and survives a follower's restart (ADR-0104).
 
 On real storage (in memory, SQLite, PostgreSQL), with real followers, dispatcher, executor and
-Runner (:mod:`tests.follow_world`). A follower restarted is a new ``Followers`` with nothing in
-memory, as a new process is; batches of one envelope put a restart between a turn's start and
-every later envelope of it.
+Runner (:mod:`tests.follow.follow_world`). A follower restarted is a new ``Followers`` with
+nothing in memory, as a new process is; batches of one envelope put a restart between a turn's
+start and every later envelope of it.
 """
 
 from collections.abc import AsyncIterator
@@ -16,8 +16,8 @@ from relayr.follow import follower
 from relayr.follow.batches import Batches
 from relayr.follow.events import MessagePosted, TurnEnded
 from relayr.follow.projections import PROJECTIONS
-from tests.follow_app import MAX_DEPTH, Asked
-from tests.follow_world import KEY, PERSON, TENANT, WORKSPACE, World, opened
+from tests.follow.follow_app import MAX_DEPTH, Asked
+from tests.follow.follow_world import KEY, PERSON, TENANT, WORKSPACE, World, opened
 from tests.services import STORAGES, storage_url
 
 

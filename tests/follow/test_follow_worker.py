@@ -1,6 +1,6 @@
 """The inbound side on real processes: a worker, and dispatchers started, killed and restarted.
 
-On SQLite and PostgreSQL (the embedded broker), with :mod:`tests.follow_app`:
+On SQLite and PostgreSQL (the embedded broker), with :mod:`tests.follow.follow_app`:
 
 1. a dispatcher that does not follow (``--no-follow``) and a worker run what the published
    events start: ``follow:ask`` sends a question, the agent answers it, ``loop:start`` posts
@@ -28,7 +28,7 @@ from reflexr import SourceActor
 
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
-from tests.follow_app import (
+from tests.follow.follow_app import (
     ALLOWLIST,
     FOLLOW_APP,
     GATE_ARMED,

@@ -17,9 +17,9 @@ from relayr.observe.hooks import (
     RunsEnqueued,
     WriteRefused,
 )
-from tests.executor_harness import Asked, Harness
-from tests.executor_harness import database_url as database_url  # the storage, a fixture
-from tests.executor_harness import harness as harness  # the fixture, on every storage
+from tests.execution.executor_harness import Asked, Harness
+from tests.execution.executor_harness import database_url as database_url  # the storage, a fixture
+from tests.execution.executor_harness import harness as harness  # the fixture, on every storage
 from tests.observe.metrics_probes import sample as sample_of
 from tests.observe.metrics_probes import scrape_text
 

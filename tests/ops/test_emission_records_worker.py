@@ -1,6 +1,6 @@
 """Every send leaves its emission record, whatever becomes of its run: on real processes.
 
-The rule ``ops:send-then-die`` (:mod:`tests.ops_app`) sends its message with the real
+The rule ``ops:send-then-die`` (:mod:`tests.ops.ops_app`) sends its message with the real
 ``Runner.send`` and then kills its own pool process, so no attempt of its run ever completes.
 Then ops end the run: cancelled while its dead attempt still holds it, or, once the redelivery
 bound failed it ``worker_lost``, skipped. ``relayr runs show`` must list exactly one validated
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from tests.ops.ops_app import DIE_CONTENT
 from tests.ops.test_ops_worker import WAIT_S, WHERE, by, ended, runs
-from tests.ops_app import DIE_CONTENT
 from tests.workers import (
     relayr_environment,
     relayr_here,
@@ -50,7 +50,7 @@ def environment(tmp_path: Path, database: dict[str, object], **settings: object)
     allowlist.write_text(f'[rules."{RULE}"]\nturns = true\n')
     return relayr_environment(
         tmp_path,
-        app="tests.ops_app:create_ops_app",
+        app="tests.ops.ops_app:create_ops_app",
         allowlist=allowlist,
         **database,
         **settings,

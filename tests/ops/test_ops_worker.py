@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from relayr.cli import cli
 from relayr.cli.processes import RelayrProcess
-from tests.ops_app import CRASH_CONTENT, FIXED
+from tests.ops.ops_app import CRASH_CONTENT, FIXED
 from tests.services import forgetting_redis_queue
 from tests.workers import (
     log_records,
@@ -80,7 +80,7 @@ def environment(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str
     allowlist = tmp_path / "allowlist.toml"
     allowlist.write_text(GRANTED)
     settings: dict[str, object] = {
-        "app": "tests.ops_app:create_ops_app",
+        "app": "tests.ops.ops_app:create_ops_app",
         "allowlist": allowlist,
         "max_redeliveries": 1,
         "lease_ttl_s": 2.0,

@@ -21,8 +21,8 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from relayr.cli.runs import BROKER_TRIES
 from relayr.runtime.transient import is_transient
 from tests.faults.private_redis import PrivateRedis
+from tests.ops.ops_app import FIXED
 from tests.ops.test_ops_worker import GRANTED, WHERE, ended, runs
-from tests.ops_app import FIXED
 from tests.workers import (
     relayr_environment,
     relayr_here,
@@ -68,7 +68,7 @@ def test_a_retry_with_the_broker_down_leaves_the_run_pending_for_the_dispatcher(
     allowlist.write_text(GRANTED)
     environment = relayr_environment(
         tmp_path,
-        app="tests.ops_app:create_ops_app",
+        app="tests.ops.ops_app:create_ops_app",
         allowlist=allowlist,
         broker_url=redis_server.url,
         lease_ttl_s=2.0,

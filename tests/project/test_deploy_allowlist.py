@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Final
 
 from relayr.core.allowlist_toml import parse_allowlist
-from tests.deploy_files import (
+from tests.project.deploy_files import (
     DEPLOY,
     REPO,
     UNITS,

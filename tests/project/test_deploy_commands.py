@@ -15,7 +15,7 @@ from typing import Any
 import click
 import pytest
 
-from tests.deploy_files import (
+from tests.project.deploy_files import (
     UNITS,
     containers,
     deployments,

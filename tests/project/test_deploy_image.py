@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy_files import REPO, dockerfile_instructions, exec_form
+from tests.project.deploy_files import REPO, dockerfile_instructions, exec_form
 
 
 def copied_sources() -> list[str]:

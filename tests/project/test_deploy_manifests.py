@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy_files import (
+from tests.project.deploy_files import (
     COMPOSE,
     DOCKERFILE,
     K8S,

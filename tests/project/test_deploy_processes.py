@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from relayr.settings import Settings
 from tasks.worker import CLOSE_MARGIN_S
-from tests.deploy_files import (
+from tests.project.deploy_files import (
     DEPLOY,
     UNIT_INSTANCE,
     UNITS,

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from relayr.settings import PREFIX, STANDARD_VARIABLES, Settings
-from tests.deploy_files import (
+from tests.project.deploy_files import (
     COMPOSE,
     DEPLOY,
     DOCKERFILE,

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from relayr.cli import cli
 from relayr.cli.processes import RelayrProcess, relayr_command
 from relayr.observe.health import SupervisorStatus, read_status, status_path
-from tests.supervised import WAIT_S, wait_for
+from tests.runtime.supervised import WAIT_S, wait_for
 from tests.workers import REPO, relayr_environment
 
 DOWN_S = 20.0

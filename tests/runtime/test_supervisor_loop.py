@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 from relayr.cli.processes import RelayrProcess
 from relayr.observe.health import read_status, status_path
 from relayr.runtime.supervisor import RestartPolicy, WorkerSupervisor
-from tests.supervised import WAIT_S, wait_for
+from tests.runtime.supervised import WAIT_S, wait_for
 
 pytestmark = pytest.mark.process
 

@@ -122,7 +122,7 @@ class Harness:
     """A worker's runtime on real storage, and a way to make runs as the dispatcher would.
 
     Its application is :data:`EVENTS`, :data:`RULES` and :data:`ACTIONS`; a harness of other
-    tests names its own (:class:`tests.retries_harness.Harness`).
+    tests names its own (:class:`tests.execution.retries_harness.Harness`).
     """
 
     EVENTS: ClassVar[list[type[Event]]] = [Asked, Keyed, Timed]

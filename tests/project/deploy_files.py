@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"

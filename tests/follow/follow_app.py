@@ -1,7 +1,7 @@
 """The inbound side's test application: rules that answer what the follower bridges.
 
-``RELAYR_APP=tests.follow_app:create_follow_app``, in worker and dispatcher subprocesses and in
-the tests' own runtimes:
+``RELAYR_APP=tests.follow.follow_app:create_follow_app``, in worker and dispatcher subprocesses
+and in the tests' own runtimes:
 
 - ``follow:ask`` (on ``followtest:asked``) sends "question: <text>" in the event's thread, which
   starts a turn of the offline agent (the allowlist must grant it ``turns``:
@@ -60,7 +60,7 @@ from relayr.ledger.port import WorkspaceKey
 from relayr.runtime.application import Application, open_storage
 from relayr.settings import Settings
 
-FOLLOW_APP: Final = "tests.follow_app:create_follow_app"
+FOLLOW_APP: Final = "tests.follow.follow_app:create_follow_app"
 
 MAX_DEPTH: Final = 4
 """reflexr's depth limit in this application: a loop of rules stops after this many runs."""

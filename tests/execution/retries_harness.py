@@ -28,10 +28,12 @@ from relayr.execution.actions import acting
 from relayr.ledger import WorkspaceKey
 from relayr.observe import metrics
 from relayr.runtime.bridge import Bridge
-from tests import executor_harness
 from tests.builders import Gates
-from tests.executor_harness import REF as REF  # the workspace, as the base harness names it
-from tests.executor_harness import TENANT, WORKSPACE
+from tests.execution import executor_harness
+from tests.execution.executor_harness import (
+    REF as REF,  # the workspace, as the base harness names it
+)
+from tests.execution.executor_harness import TENANT, WORKSPACE
 from tests.services import SQL_STORAGES, STORAGES, storage_url
 
 KEY = WorkspaceKey(TENANT, WORKSPACE)
@@ -149,8 +151,8 @@ class FailingStatements:
 
 
 class Harness(executor_harness.Harness):
-    """The executor's harness (:class:`tests.executor_harness.Harness`) with these tests' rules,
-    a thread to write in, an operator, and the SQL engine a fault is made in."""
+    """The executor's harness (:class:`tests.execution.executor_harness.Harness`) with these
+    tests' rules, a thread to write in, an operator, and the SQL engine a fault is made in."""
 
     EVENTS: ClassVar[list[type[Event]]] = [Once, Ordered, Noticed]
     RULES: ClassVar[list[Rule]] = RULES

@@ -35,7 +35,7 @@ from relayr.ledger.port import WorkspaceKey
 from relayr.runtime.application import Application, open_storage
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
-from tests.follow_app import ACTIONS, ALLOWLIST, agent, rule_workspaces
+from tests.follow.follow_app import ACTIONS, ALLOWLIST, agent, rule_workspaces
 from tests.workers import TURNS_SETTLE_S
 
 TENANT, WORKSPACE = "acme", "ops"
