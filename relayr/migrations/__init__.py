@@ -89,11 +89,17 @@ async def upgrade(engine: AsyncEngine) -> str:
 
     On PostgreSQL the transaction takes :data:`UPGRADE_LOCK` first; on SQLite relayr's engines
     begin each transaction with the file's write lock. A process that loses a race it was not
-    locked out of (an engine of another kind) finds the tables at head and carries on.
+    locked out of (an engine of another kind) finds the tables at head and carries on. On
+    PostgreSQL, tables already at head, as at almost every start, are found so with one read
+    of the revision, without the lock or loading the migrations (ADR-0124).
     """
     from sqlalchemy import text
     from sqlalchemy.exc import DBAPIError
 
+    if engine.dialect.name == "postgresql":
+        [found] = await revisions(engine, (RELAYR,))
+        if found.at_head:
+            return found.head
     try:
         async with engine.begin() as connection:
             if connection.dialect.name == "postgresql":

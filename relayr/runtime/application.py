@@ -177,9 +177,17 @@ async def migrate(engine: AsyncEngine, libraries: Collection[Library] = BOTH) ->
     On PostgreSQL an advisory lock, held on a connection of its own, makes processes that start
     together migrate one at a time. SQLite needs none: each migration is a ``BEGIN IMMEDIATE``
     transaction, which takes the file's write lock.
+
+    On PostgreSQL, tables already up to date, as at almost every start, are found so with one
+    read of each library's revision, without the lock or loading the migrations (ADR-0124).
     """
     if engine.dialect.name != "postgresql":
         await _migrate(engine, libraries)
+        return
+    from relayr.migrations import SCHEMAS, revisions
+
+    schemas = tuple(schema for schema in SCHEMAS if schema.name in libraries)
+    if all(found.at_head for found in await revisions(engine, schemas)):
         return
     from sqlalchemy import text
 

@@ -9,6 +9,7 @@ import itertools
 import json
 import subprocess
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,15 @@ from relayr.ledger import SqlLedger
 from relayr.ledger import limits as limit_store
 from relayr.ledger import sql as ledger_sql
 from relayr.ledger.port import Cause, WorkspaceKey
-from relayr.runtime.application import create_engine
+from relayr.runtime.application import MIGRATION_LOCK, create_engine, migrate
 from tests.services import SQL_STORAGES, empty_storage_url
 from tests.workers import REPO, relayr_environment
 
 WORKSPACE = WorkspaceKey("acme", "ops")
 CAUSE = Cause(correlation_id="cor_1", firing_id="fir_1", run_id="run_1", depth=1)
 PROCESS_TIMEOUT_S = 120
+AT_HEAD_S = 10.0
+"""Far above the few reads that find tables at head, far below the locks' own waits."""
 
 
 def code_tables() -> MetaData:
@@ -279,6 +282,36 @@ async def test_relayr_s_stores_upgrade_the_tables_before_their_first_statement(
             (None, migrations.head()),
             (migrations.head(), migrations.head()),
         )
+
+
+@asynccontextmanager
+async def migrating_elsewhere(database_url: str) -> AsyncIterator[None]:
+    """Another process in the middle of a migration: it holds the advisory locks of the
+    libraries' migrations and of relayr's upgrade."""
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as other:
+            for key in (MIGRATION_LOCK, migrations.UPGRADE_LOCK):
+                await other.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            await other.commit()
+            yield
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+async def test_tables_at_head_are_found_so_without_waiting_for_a_migration(
+    engine: AsyncEngine, database_url: str
+) -> None:
+    """A process that starts on tables already up to date, as at almost every start, reads the
+    revisions and goes on: it neither takes the migrations' locks nor waits for them. (On
+    SQLite every transaction of relayr's engines takes the file's write lock, reads too.)"""
+    await migrate(engine)
+    await migrations.upgrade(engine)
+    async with migrating_elsewhere(database_url):
+        async with asyncio.timeout(AT_HEAD_S):
+            await migrate(engine)
+            assert await migrations.upgrade(engine) == migrations.head()
 
 
 async def test_upgrades_that_start_together_upgrade_once(database_url: str) -> None:
