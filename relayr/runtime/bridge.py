@@ -60,10 +60,15 @@ class StartedTurns:
     def started(self, handle: RunHandle | None, *, ask_again: Ask | None = None) -> None:
         self._track(handle, ask_again, ASK_AGAIN_TRIES)
 
-    def _track(self, handle: RunHandle | None, ask_again: Ask | None, tries: int) -> None:
+    def _track(
+        self, handle: RunHandle | None, ask_again: Ask | None, tries: int, *, ours: bool = True
+    ) -> None:
+        """Track ``handle``; ``ours`` unless the Runner started it (a hand-over), which the
+        count of turns started by runs leaves out."""
         if handle is None or handle in self.handles:
             return
-        hooks.emit(TurnStarted())
+        if ours:
+            hooks.emit(TurnStarted())
         self.handles.add(handle)
 
         def ended(task: "asyncio.Task[Any]") -> None:
@@ -92,7 +97,7 @@ class StartedTurns:
     async def _follow(self, runner: Runner[Any], thread_id: str) -> None:
         """Track the turn an ended turn's thread was handed over to, once it started."""
         await runner.drain()
-        self._track(runner.running(thread_id), None, 0)
+        self._track(runner.running(thread_id), None, 0, ours=False)
 
     async def _ask(self, ask_again: Ask, tries: int) -> None:
         await asyncio.sleep(BACKOFF_S[0])

@@ -6,6 +6,7 @@ PostgreSQL, its agent's reply held by the test where a turn must still run.
 
 import asyncio
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from pydantic_ai.models.function import AgentInfo
 from reflexr import SourceActor
 from structlog.testing import capture_logs
 
+from relayr.observe import hooks
+from relayr.observe.hooks import Fact, TurnStarted
 from relayr.runtime.process import Runtime
 from rules.example import REPLY, DeployFinished, IncidentOpened, TriageNote, build_app, triage_agent
 from tests.example_runtime import ALICE, TENANT, WORKSPACE, Example, settings_for
@@ -127,12 +130,22 @@ def relay_agent(
     )
 
 
+@pytest.fixture
+def facts() -> Iterator[list[Fact]]:
+    """What the path emits during the test (:mod:`relayr.observe.hooks`)."""
+    seen: list[Fact] = []
+    unsubscribe = hooks.subscribe(seen.append)
+    yield seen
+    unsubscribe()
+
+
 async def test_shutdown_waits_for_the_turn_a_finished_turn_handed_its_thread_to(
-    tmp_path: Path,
+    tmp_path: Path, facts: list[Fact]
 ) -> None:
     """A message sent while the rule's turn replies is left to the thread's next turn, which
     artifactr's Runner starts itself as the first ends (its hand-over). The grace waits for it,
-    although it began before the shutdown and after the turn the worker started had ended."""
+    although it began before the shutdown and after the turn the worker started had ended. It
+    is not a turn the run started: the count of those stays at one."""
     settings = settings_for(f"sqlite+aiosqlite:///{tmp_path}/relayr.db", tmp_path, turn_grace_s=60)
     replying, reply = [asyncio.Event(), asyncio.Event()], [asyncio.Event(), asyncio.Event()]
     application = dataclasses.replace(await build_app(settings), agent=relay_agent(replying, reply))
@@ -167,6 +180,7 @@ async def test_shutdown_waits_for_the_turn_a_finished_turn_handed_its_thread_to(
         assert ended == ["completed", "completed"]
     finally:
         await check.aclose()
+    assert sum(isinstance(fact, TurnStarted) for fact in facts) == 1
 
 
 async def test_shutdown_stops_turns_that_outlive_the_grace(tmp_path: Path) -> None:
