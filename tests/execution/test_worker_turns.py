@@ -23,6 +23,7 @@ from structlog.testing import capture_logs
 from relayr.observe import hooks
 from relayr.observe.hooks import Fact, TurnStarted
 from relayr.runtime.process import Runtime
+from relayr.settings import Settings
 from rules.example import REPLY, DeployFinished, IncidentOpened, TriageNote, build_app, triage_agent
 from tests.example_runtime import ALICE, TENANT, WORKSPACE, Example, settings_for
 from tests.services import SQL_STORAGES, STORAGES, storage_url
@@ -61,6 +62,20 @@ async def test_a_worker_takes_the_turns_asked_for_and_never_taken(
         await runtime.aclose()
 
 
+async def turns_ended(settings: Settings, thread: str) -> list[str]:
+    """How each turn in ``thread`` ended, read from the stores after the runtime closed."""
+    check = await build_app(settings)
+    try:
+        handle = await check.artifacts.open(TENANT, WORKSPACE, actor=ALICE)
+        return [
+            e.event.status
+            for e in await handle.read(threads={thread})
+            if isinstance(e.event, RunEnded)
+        ]
+    finally:
+        await check.aclose()
+
+
 def gated_agent(replying: asyncio.Event, reply: asyncio.Event) -> Agent[Session[None], str]:
     """The example's agent, whose reply waits for the test: it sets ``replying``, then waits
     for ``reply``."""
@@ -96,17 +111,7 @@ async def test_shutdown_lets_running_turns_finish_within_the_grace(tmp_path: Pat
     reply.set()
     await asyncio.wait_for(closing, 30)
 
-    check = await build_app(settings)
-    try:
-        handle = await check.artifacts.open(TENANT, WORKSPACE, actor=ALICE)
-        ended = [
-            e.event.status
-            for e in await handle.read(threads={thread})
-            if isinstance(e.event, RunEnded)
-        ]
-        assert ended == ["completed"]
-    finally:
-        await check.aclose()
+    assert await turns_ended(settings, thread) == ["completed"]
 
 
 def relay_agent(
@@ -169,17 +174,7 @@ async def test_shutdown_waits_for_the_turn_a_finished_turn_handed_its_thread_to(
     reply[1].set()
     await asyncio.wait_for(closing, 30)
 
-    check = await build_app(settings)
-    try:
-        handle = await check.artifacts.open(TENANT, WORKSPACE, actor=ALICE)
-        ended = [
-            e.event.status
-            for e in await handle.read(threads={thread})
-            if isinstance(e.event, RunEnded)
-        ]
-        assert ended == ["completed", "completed"]
-    finally:
-        await check.aclose()
+    assert await turns_ended(settings, thread) == ["completed", "completed"]
     assert sum(isinstance(fact, TurnStarted) for fact in facts) == 1
 
 
@@ -195,17 +190,7 @@ async def test_shutdown_stops_turns_that_outlive_the_grace(tmp_path: Path) -> No
 
     await asyncio.wait_for(runtime.aclose(), 10)
 
-    check = await build_app(settings)
-    try:
-        handle = await check.artifacts.open(TENANT, WORKSPACE, actor=ALICE)
-        ended = [
-            e.event.status
-            for e in await handle.read(threads={thread})
-            if isinstance(e.event, RunEnded)
-        ]
-        assert ended == ["stopped"]
-    finally:
-        await check.aclose()
+    assert await turns_ended(settings, thread) == ["stopped"]
 
 
 async def test_shutdown_names_the_turns_still_asked_for_after_the_grace(tmp_path: Path) -> None:
