@@ -3,12 +3,15 @@
 One event: ``--data`` (a JSON object), ``--id`` to publish it once. Many: ``--data-file FILE``
 (``-`` for stdin), one JSON object per line. Every line is checked before the first write (the
 first bad one is named, exit 2, nothing published); the file goes in transactions of
-:data:`CHUNK_EVENTS`. ``--id-prefix P`` gives line N the id ``P-N``, so publishing the file again
+:data:`CHUNK_EVENTS`. With ``--stream``, each line is checked and published as it is read, in a
+transaction of its own, for a pipe that stays open (a bad line ends the stream, exit 2, the lines
+before it published). ``--id-prefix P`` gives line N the id ``P-N``, so publishing the file again
 adds nothing; without it, a publish that stopped half way names the last line published. A
 progress bar on a terminal, when tqdm (the ``console`` extra) is installed. Builds the
 application's rules part only (ADR-0050).
 """
 
+import asyncio
 import json
 import re
 import sys
@@ -134,20 +137,28 @@ def read_lines(file: IO[str], id_prefix: str | None) -> list[Line]:
     """
     lines = []
     for number, text in enumerate(file, start=1):
-        undecodable = _undecodable(text)
-        if undecodable is not None:
-            column, byte = undecodable
-            fail(
-                f"line {number} of {_name(file)} is not UTF-8 text: byte 0x{byte:02x} at "
-                f"column {column}"
-            )
-        if not text.strip():
-            continue
-        data = parse_data(text, where=f"line {number} of {_name(file)}")
-        lines.append(Line(number, data, None if id_prefix is None else f"{id_prefix}-{number}"))
+        line = read_line(number, text, _name(file), id_prefix)
+        if line is not None:
+            lines.append(line)
     if not lines:
         fail(f"{_name(file)} has no event: one JSON object per line")
     return lines
+
+
+def read_line(number: int, text: str, source: str, id_prefix: str | None) -> Line | None:
+    """Line ``number`` of ``source`` as a JSON object, or None when it is blank.
+
+    Raises:
+        BadInput: Naming the line when it is not UTF-8 text or not a JSON object.
+    """
+    undecodable = _undecodable(text)
+    if undecodable is not None:
+        column, byte = undecodable
+        fail(f"line {number} of {source} is not UTF-8 text: byte 0x{byte:02x} at column {column}")
+    if not text.strip():
+        return None
+    data = parse_data(text, where=f"line {number} of {source}")
+    return Line(number, data, None if id_prefix is None else f"{id_prefix}-{number}")
 
 
 def load_lines(lines: Sequence[Line], event_type: str | None, source: str) -> list[Loaded]:
@@ -229,6 +240,13 @@ def refused_line(lines: Sequence[Loaded], message: str) -> int | None:
     help="With --data-file: line N's event gets the id PREFIX-N, so publishing the file again "
     "adds nothing.",
 )
+@click.option(
+    "--stream",
+    is_flag=True,
+    help="With --data-file: publish each line as it is read, in a transaction of its own, and "
+    "print it (for a pipe that stays open); a bad line ends the stream, the lines before it "
+    "published.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def publish(
     where: str,
@@ -237,6 +255,7 @@ def publish(
     data_file: IO[str] | None,
     event_id: str | None,
     id_prefix: str | None,
+    stream: bool,
     as_json: bool,
 ) -> None:
     """Publish an event, or a file of events, into a workspace's log; the dispatcher evaluates
@@ -244,12 +263,15 @@ def publish(
 
     Examples: relayr publish acme/ops deploy:finished --data '{"service": "api",
     "status": "succeeded", "thread_id": "thr_..."}'; relayr publish acme/ops --data-file
-    events.jsonl --id-prefix import-7
+    events.jsonl --id-prefix import-7; tail -f events.jsonl | relayr publish acme/ops --data-file -
+    --stream
     """
     workspace = parse_workspace(where)
     if event_type is not None:
         parse_id("EVENT_TYPE", event_type)
     if data_file is None:
+        if stream:
+            fail("--stream publishes the lines of --data-file as they come: give --data-file")
         if id_prefix is not None:
             fail("--id-prefix numbers the lines of --data-file: use --id for one event")
         if event_type is None:
@@ -265,6 +287,9 @@ def publish(
         fail("--id names one event: with --data-file, use --id-prefix")
     if id_prefix is not None:
         parse_id("--id-prefix", id_prefix)
+    if stream:
+        _publish_stream(load_settings(), workspace, data_file, event_type, id_prefix, as_json)
+        return
     lines = read_lines(data_file, id_prefix)
     settings = load_settings()
     _publish_lines(settings, workspace, lines, event_type, _name(data_file), id_prefix, as_json)
@@ -388,6 +413,96 @@ def _publish_lines(
             f"{summary['first_seq']}-{summary['last_seq']}, in {summary['transactions']} "
             "transaction(s)"
         )
+
+
+def _publish_stream(
+    settings: "Settings",
+    workspace: Where,
+    file: IO[str],
+    event_type: str | None,
+    id_prefix: str | None,
+    as_json: bool,
+) -> None:
+    """Publish each line of ``file`` as it is read, until it ends; print each event published,
+    at once. Says on stderr when it reads, so a program feeding the pipe knows it is ready."""
+    from reflexr.core import Forbidden, NotFound
+
+    from relayr.runtime.application_parts import opened_rules
+
+    source = _name(file)
+    reading = False
+    last = 0
+
+    async def main() -> None:
+        nonlocal reading, last
+        async with opened_rules(settings) as rules:
+            handle = await rules.open(
+                workspace.tenant_id, workspace.workspace_id, actor=_publisher()
+            )
+            click.echo(
+                f"publishing each line of {source} into {workspace} as it is read; "
+                "end the input to stop",
+                err=True,
+            )
+            reading = True
+            number = 0
+            while text := await asyncio.to_thread(file.readline):
+                number += 1
+                line = read_line(number, text, source, id_prefix)
+                if line is None:
+                    continue
+                where = f"line {number} of {source}"
+                event = load(event_type, line.data, where=where)
+                try:
+                    published = await handle.publish(event, id=line.id)
+                except (NotFound, Forbidden) as refused:
+                    fail(f"{where}: {refused.message}")
+                last = number
+                _echo_published(published, event.event_type, number, as_json)
+
+    try:
+        run_async(main())
+    except BadInput as bad:
+        if not reading:
+            raise
+        raise BadInput(f"{bad.message}; {_published_before(last)}") from None
+    except Exception as error:
+        if not last:
+            raise
+        click.echo(
+            f"Error: published the events of lines 1-{last}, not the rest: {_one_line(error)}; "
+            f"{_again(id_prefix, last)}",
+            err=True,
+        )
+        sys.exit(EXIT_NOT_ALL_DONE)
+
+
+def _echo_published(published: Any, event_type: str, number: int, as_json: bool) -> None:
+    """One line for an event ``--stream`` published, flushed: a pipe's reader sees it now."""
+    envelope = published.envelope
+    if as_json:
+        echo_json(
+            {
+                "line": number,
+                "id": envelope.id,
+                "seq": envelope.seq,
+                "type": event_type,
+                "duplicate": published.duplicate,
+            }
+        )
+    else:
+        again = " (already published: nothing added)" if published.duplicate else ""
+        click.echo(
+            f"line {number}: published {event_type} {envelope.id} at seq {envelope.seq}{again}"
+        )
+    sys.stdout.flush()
+
+
+def _published_before(last: int) -> str:
+    """What a stream that stopped at a bad line had published."""
+    if not last:
+        return "nothing was published"
+    return f"the events of lines 1-{last} were published"
 
 
 def _one_line(error: Exception) -> str:

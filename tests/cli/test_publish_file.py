@@ -8,7 +8,9 @@ after the first chunk would show as events written.
 import asyncio
 import json
 import sqlite3
+import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,18 @@ from click.testing import CliRunner, Result
 from reflexr import Event, SourceActor
 
 from relayr.cli import cli
+from relayr.cli.processes import relayr_command
 from relayr.cli.publish import CHUNK_EVENTS
 from relayr.runtime.process import Runtime
 from relayr.settings import Settings
-from tests.workers import relayr_environment
+from tests.workers import REPO, relayr_environment
 
 LINES = CHUNK_EVENTS * 2 + 1
 """Three transactions' worth of events."""
+
+STREAM_LINE_S = 120.0
+"""How long a ``relayr publish --stream`` process may take to answer a line: its start (the
+database's migration) included, on a busy host."""
 
 
 class Unaccepted(Event, abstract=True, event_namespace="probe"):
@@ -166,6 +173,7 @@ def test_a_type_the_application_does_not_accept_is_refused_before_any_write(
         (["deploy:finished", "--id-prefix", "p"], "use --id for one event"),
         (["--data", "{}"], "give EVENT_TYPE"),
         (["deploy:finished", "--data-file", "-", "--id-prefix", "a b"], "--id-prefix 'a b'"),
+        (["deploy:finished", "--stream"], "--stream publishes the lines of --data-file"),
     ],
 )
 def test_options_that_do_not_go_together_are_refused(
@@ -254,3 +262,98 @@ def test_a_file_published_half_way_says_what_is_safe_to_do_next(
     )
     assert line.endswith(f"IntegrityError: database or disk is full; {advice}")
     assert len(log(environment)) == 1 + CHUNK_EVENTS
+
+
+def test_a_stream_publishes_and_prints_each_line_in_a_transaction_of_its_own(
+    environment: dict[str, str],
+) -> None:
+    lines = [json.dumps(deploy(1)), "", json.dumps(deploy(2)), json.dumps(deploy(1))]
+    args = ["deploy:finished", "--data-file", "-", "--stream", "--id-prefix", "tail", "--json"]
+    result = publish(environment, *args, stdin="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("publishing each line of stdin into acme/ops as it is read")
+    printed = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(line["line"], line["seq"], line["duplicate"]) for line in printed] == [
+        (1, 1, False),
+        (3, 2, False),
+        (4, 3, False),
+    ]
+    envelopes = log(environment)
+    assert [envelope.id for envelope in envelopes] == ["tail-1", "tail-3", "tail-4"]
+    again = publish(environment, *args, stdin="\n".join(lines) + "\n")
+    assert [json.loads(line)["duplicate"] for line in again.stdout.splitlines()] == [True] * 3
+    assert len(log(environment)) == 3
+
+
+def test_a_bad_line_ends_a_stream_by_its_number_after_the_lines_before_it(
+    environment: dict[str, str],
+) -> None:
+    lines = [json.dumps(deploy(1)), json.dumps(deploy(2)), "{not json", json.dumps(deploy(3))]
+    result = publish(
+        environment, "deploy:finished", "--data-file", "-", "--stream", stdin="\n".join(lines)
+    )
+    assert result.exit_code == 2, result.output
+    assert result.stdout.splitlines()[0].startswith("line 1: published deploy:finished ")
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: line 3 of stdin is not valid JSON: ")
+    assert error.endswith("; the events of lines 1-2 were published")
+    assert [envelope.data["service"] for envelope in log(environment)] == ["svc-1", "svc-2"]
+
+
+def test_a_stream_that_fails_to_write_says_what_is_safe_to_do_next(
+    environment: dict[str, str],
+) -> None:
+    refuse_events_after(environment, 2)  # the event it publishes, then one more
+    lines = [json.dumps(deploy(index)) for index in range(3)]
+    result = publish(
+        environment, "deploy:finished", "--data-file", "-", "--stream", stdin="\n".join(lines)
+    )
+    assert result.exit_code == 1, result.output
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: published the events of lines 1-1, not the rest: ")
+    assert error.endswith(
+        "publish only the lines after line 1: without --id-prefix, publishing the file again "
+        "would add the events of lines 1-1 a second time"
+    )
+    assert len(log(environment)) == 2
+
+
+@pytest.mark.process
+def test_a_stream_publishes_each_line_while_its_pipe_stays_open(
+    environment: dict[str, str],
+) -> None:
+    """A real ``relayr publish --stream`` process: each line is in the log, and printed, before
+    the next is written, while stdin is still open; ending stdin ends the process."""
+    command = relayr_command(
+        "publish", "acme/ops", "deploy:finished", "--data-file", "-", "--stream", "--json"
+    )
+    with (
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=environment,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as process,
+        ThreadPoolExecutor(1) as reader,
+    ):
+        assert process.stdin is not None
+        assert process.stdout is not None
+        assert process.stderr is not None
+        try:
+            ready = reader.submit(process.stderr.readline).result(STREAM_LINE_S)
+            assert "as it is read" in ready
+            for index in range(1, 4):
+                process.stdin.write(json.dumps(deploy(index)) + "\n")
+                process.stdin.flush()
+                printed = reader.submit(process.stdout.readline).result(STREAM_LINE_S)
+                assert json.loads(printed)["seq"] == index
+                assert [envelope.data["service"] for envelope in log(environment)] == [
+                    f"svc-{number}" for number in range(1, index + 1)
+                ]
+            process.stdin.close()
+            assert process.wait(STREAM_LINE_S) == 0, process.stderr.read()
+        finally:
+            process.kill()
