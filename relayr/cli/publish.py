@@ -11,7 +11,6 @@ progress bar on a terminal, when tqdm (the ``console`` extra) is installed. Buil
 application's rules part only (ADR-0050).
 """
 
-import asyncio
 import json
 import re
 import sys
@@ -425,6 +424,8 @@ def _publish_stream(
 ) -> None:
     """Publish each line of ``file`` as it is read, until it ends; print each event published,
     at once. Says on stderr when it reads, so a program feeding the pipe knows it is ready."""
+    import asyncio
+
     from reflexr.core import Forbidden, NotFound
 
     from relayr.runtime.application_parts import opened_rules
