@@ -2,8 +2,10 @@
 
 :func:`deployment` makes a case's storage and home (:func:`bench.common.case_storage`), and
 :class:`Deployment` starts relayr's commands in it (``relayr run``, ``relayr dispatch``), each a
-process of its own logging to the home, and publishes events as a person's tools would, with
-``relayr publish`` in a process of its own per call. Nothing here imports the dispatcher: the
+process of its own logging to the home, and publishes events as an application or a person's
+tools would: a :class:`Publisher` feeds one ``relayr publish --stream`` process an event at a
+time (``stream``, the default), or starts a ``relayr publish`` per event (``process``), and a
+file goes through ``relayr publish --data-file``. Nothing here imports the dispatcher: the
 benchmarks that use this module measure whichever dispatcher ``relayr`` runs, through the
 command line and the stores (:mod:`bench.stamps`) alone.
 """
@@ -14,10 +16,11 @@ import json
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from bench.common import STORAGES, CaseStorage, StorageKind, case_storage, fresh_home, note
 from bench.stamps import DEPLOY_FINISHED, TENANT
@@ -31,6 +34,14 @@ RUNTIME_STARTED: Final = '"runtime started"'
 PUBLISH_TIMEOUT_S: Final = 600.0
 """A bound on one ``relayr publish``, a file of thousands of events included, on a busy host."""
 
+Publishing = Literal["stream", "process"]
+"""How paced events are published: ``stream``, each a line to one ``relayr publish --stream``
+process (what an application publishing events does: no process starts during the measure);
+``process``, each by a ``relayr publish`` of its own (a person's tool, or a cron job: each start
+spends most of a second of CPU beside the processes measured)."""
+
+PUBLISHINGS: Final[tuple[Publishing, ...]] = ("stream", "process")
+
 
 @dataclass
 class Deployment:
@@ -40,12 +51,18 @@ class Deployment:
     home: Path
     environment: dict[str, str]
     settings: Settings
+    publishing: Publishing = "stream"
     processes: list[RelayrProcess] = field(default_factory=list)
 
     @property
     def described(self) -> dict[str, Any]:
         broker, database = STORAGES[self.storage.kind]
-        return {"storage": self.storage.kind, "broker": broker, "database": database}
+        return {
+            "storage": self.storage.kind,
+            "broker": broker,
+            "database": database,
+            "publishing": self.publishing,
+        }
 
     def start(self, *args: str, name: str) -> RelayrProcess:
         """``relayr ARGS`` in this deployment, logging to ``<home>/<name>.log``; returned once
@@ -77,21 +94,17 @@ class Deployment:
             text=True,
         )
 
-    async def publish_paced(
-        self,
-        workspace: str,
-        events: Sequence[tuple[str, Mapping[str, Any]]],
-        interval_s: float,
-    ) -> None:
-        """Publish ``(id, data)`` events one every ``interval_s``, each by a ``relayr publish``
-        of its own started on time (a slow one does not hold the next back); return when every
-        one has ended, each having succeeded."""
-        started = time.monotonic()
-        running = []
-        for index, (event_id, data) in enumerate(events):
-            await asyncio.sleep(max(0.0, started + index * interval_s - time.monotonic()))
-            running.append(self.publish(workspace, data, id=event_id))
-        await asyncio.to_thread(finished, running)
+    @contextlib.asynccontextmanager
+    async def publisher(self, workspace: str, id_prefix: str) -> AsyncIterator["Publisher"]:
+        """A :class:`Publisher` into ``workspace`` (event N's id is ``ID_PREFIX-N``), started
+        (its ``relayr publish --stream`` reading, under ``stream``) and ended after the block,
+        every event it took having been published."""
+        publisher = Publisher(self, workspace, id_prefix)
+        try:
+            yield await asyncio.to_thread(publisher.started)
+            await asyncio.to_thread(publisher.close)
+        finally:
+            publisher.kill()
 
     def publish_file(
         self, workspace: str, rows: Sequence[Mapping[str, Any]], *, id_prefix: str
@@ -129,6 +142,102 @@ class Deployment:
             self.processes.pop().stop()
 
 
+@dataclass
+class Publisher:
+    """Events into one workspace, an event at a time, by the deployment's :data:`Publishing`."""
+
+    deployed: Deployment
+    workspace: str
+    id_prefix: str
+    count: int = 0
+    stream: "subprocess.Popen[str] | None" = None
+    running: list["subprocess.Popen[str]"] = field(default_factory=list)
+    reader: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
+
+    def started(self) -> "Publisher":
+        """Under ``stream``, start the ``relayr publish --stream`` process and wait until it
+        reads its input (its start is not in a measure)."""
+        if self.deployed.publishing != "stream":
+            return self
+        command = relayr_command(
+            "publish",
+            f"{TENANT}/{self.workspace}",
+            DEPLOY_FINISHED,
+            "--data-file",
+            "-",
+            "--stream",
+            "--id-prefix",
+            self.id_prefix,
+            "--json",
+        )
+        self.stream = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=self.deployed.environment,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.stream.stderr is not None
+        ready = self._answer(self.stream.stderr.readline)
+        if "as it is read" not in ready:
+            self._failed(ready)
+        return self
+
+    def publish(self, data: Mapping[str, Any]) -> None:
+        """Publish one event: under ``stream``, return once it is in the log; under
+        ``process``, once its ``relayr publish`` has started (:meth:`close` waits for it)."""
+        self.count += 1
+        if self.stream is None:
+            event_id = f"{self.id_prefix}-{self.count}"
+            self.running.append(self.deployed.publish(self.workspace, data, id=event_id))
+            return
+        assert self.stream.stdin is not None
+        assert self.stream.stdout is not None
+        self.stream.stdin.write(json.dumps(data) + "\n")
+        self.stream.stdin.flush()
+        answer = self._answer(self.stream.stdout.readline)
+        if not answer.startswith("{"):
+            self._failed(answer)
+
+    async def paced(self, rows: Sequence[Mapping[str, Any]], interval_s: float) -> None:
+        """Publish ``rows`` one every ``interval_s`` from now (a slow one delays the next)."""
+        started = time.monotonic()
+        for index, data in enumerate(rows):
+            await asyncio.sleep(max(0.0, started + index * interval_s - time.monotonic()))
+            await asyncio.to_thread(self.publish, data)
+
+    def close(self) -> None:
+        """Wait for every event taken to be published; stop the benchmark if one was not."""
+        finished(self.running)
+        self.running.clear()
+        if self.stream is not None:
+            _, stderr = self.stream.communicate(timeout=PUBLISH_TIMEOUT_S)
+            if self.stream.returncode != 0:
+                raise SystemExit(
+                    f"relayr publish --stream failed ({self.stream.returncode}):\n{stderr[-2000:]}"
+                )
+
+    def kill(self) -> None:
+        """End the publishing process, whatever state it is in, and the thread reading it."""
+        for process in [*self.running, *([self.stream] if self.stream else [])]:
+            process.kill()
+            process.communicate()
+        self.reader.shutdown()
+
+    def _answer(self, readline: Any) -> str:
+        """A line the stream printed, within :data:`PUBLISH_TIMEOUT_S`."""
+        line: str = self.reader.submit(readline).result(PUBLISH_TIMEOUT_S)
+        return line
+
+    def _failed(self, line: str) -> None:
+        assert self.stream is not None
+        self.stream.kill()
+        _, stderr = self.stream.communicate()
+        raise SystemExit(f"relayr publish --stream failed: {line}{stderr[-2000:]}")
+
+
 def finished(running: Sequence["subprocess.Popen[str]"]) -> None:
     """Wait for each ``relayr publish``; any that failed stops the benchmark, with its error."""
     for process in running:
@@ -139,17 +248,24 @@ def finished(running: Sequence["subprocess.Popen[str]"]) -> None:
 
 @contextlib.contextmanager
 def deployment(
-    kind: StorageKind, label: str, *, keep: bool = False, **settings: object
+    kind: StorageKind,
+    label: str,
+    *,
+    keep: bool = False,
+    publishing: Publishing = "stream",
+    **settings: object,
 ) -> Iterator[Deployment]:
     """A storage and home of their own for one case, with ``settings`` (``Settings`` field
-    names) over the benchmarks' defaults; every process started in it is stopped after the
-    block, and the home removed unless ``keep``."""
+    names) over the benchmarks' defaults, publishing paced events by ``publishing``; every
+    process started in it is stopped after the block, and the home removed unless ``keep``."""
     home = fresh_home(label)
     note(f"{label}: home {home}")
     try:
         with case_storage(kind) as storage:
             environment = relayr_environment(home, **storage.overrides, **settings)
-            deployed = Deployment(storage, home, environment, Settings.from_env(environment))
+            deployed = Deployment(
+                storage, home, environment, Settings.from_env(environment), publishing
+            )
             try:
                 yield deployed
             finally:

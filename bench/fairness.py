@@ -4,8 +4,10 @@
 settings) on a storage of the case's own and, one after the other on the same processes, in
 workspaces of one tenant made for each phase:
 
-1. ``quiet alone``: ``--quiet`` events (60), one a second, each by a ``relayr publish`` of its
-   own, into a workspace alone: the quiet workspace's latency without a flood;
+1. ``quiet alone``: ``--quiet`` events (60), one a second, into a workspace alone, by one
+   ``relayr publish --stream`` fed a line at a time (``--publishing stream``, the default, as an
+   application publishes) or a ``relayr publish`` per event (``process``): the quiet
+   workspace's latency without a flood;
 2. for each flood size F of ``--floods`` (2000 5000):
 
    - ``flood alone``: F events published at once into a workspace (``relayr publish
@@ -28,12 +30,13 @@ used, so it measures whichever dispatcher ``relayr run`` starts.
 
 import argparse
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Final
 
 from bench.common import STORAGES, available_storages, emit, machine, note, quiet_logging
-from bench.deployed import Deployment, deployment
+from bench.deployed import PUBLISHINGS, Deployment, deployment
 from bench.stamps import (
     Stages,
     Stores,
@@ -67,13 +70,12 @@ def wait_s(events: int) -> float:
     return 300.0 + events * 2.0
 
 
-async def warm_up(deployed: Deployment, stores: Stores, interval_s: float) -> None:
+async def warm_up(deployed: Deployment, stores: Stores) -> None:
     """One event through the whole path, before anything is measured."""
     (thread,) = await stores.create_threads("warm-up", 1)
     watch = await stores.watch(["warm-up"])
-    await deployed.publish_paced(
-        "warm-up", [("fairness-warm-up", deploy("warm-up", thread))], interval_s
-    )
+    async with deployed.publisher("warm-up", "fairness-warm-up") as publisher:
+        await asyncio.to_thread(publisher.publish, deploy("warm-up", thread))
     if not await watch.until(["warm-up"], WARM_UP_S):
         raise SystemExit(f"the warm-up event's notice did not come: see {deployed.home}")
 
@@ -94,21 +96,30 @@ class Phase:
         watched = [name for name, count in self.workspaces() if count]
         watch = await stores.watch(watched)
         load_before = machine()["load_avg"]
-        publish_s = None
-        if self.flood:
-            rows = [
-                deploy(service, thread_of(flood_threads, index))
-                for index, service in enumerate(self.flood_services)
-            ]
-            publish_s = await asyncio.to_thread(
-                deployed.publish_file, self.flood_workspace, rows, id_prefix=self.flood_workspace
-            )
-        if self.quiet:
-            events = [
-                (service, deploy(service, thread_of(quiet_threads, index)))
-                for index, service in enumerate(self.quiet_services)
-            ]
-            await deployed.publish_paced(self.quiet_workspace, events, interval_s)
+        async with contextlib.AsyncExitStack() as publishing:
+            publisher = None
+            if self.quiet:  # started before the flood: its start is not beside the flood
+                publisher = await publishing.enter_async_context(
+                    deployed.publisher(self.quiet_workspace, self.quiet_workspace)
+                )
+            publish_s = None
+            if self.flood:
+                rows = [
+                    deploy(service, thread_of(flood_threads, index))
+                    for index, service in enumerate(self.flood_services)
+                ]
+                publish_s = await asyncio.to_thread(
+                    deployed.publish_file,
+                    self.flood_workspace,
+                    rows,
+                    id_prefix=self.flood_workspace,
+                )
+            if publisher is not None:
+                quiet_rows = [
+                    deploy(service, thread_of(quiet_threads, index))
+                    for index, service in enumerate(self.quiet_services)
+                ]
+                await publisher.paced(quiet_rows, interval_s)
         services = [*self.flood_services, *self.quiet_services]
         complete = await watch.until(services, wait_s(len(services)))
         published = {
@@ -182,7 +193,7 @@ async def measure(
     results = []
     async with Stores.opened(deployed.settings) as stores:
         deployed.start("run", "--concurrency", str(concurrency), name="run")
-        await warm_up(deployed, stores, interval_s)
+        await warm_up(deployed, stores)
         phases = [Phase("quiet alone", 0, quiet, "alone")]
         for flood in floods:
             phases.append(Phase("flood alone", flood, 0, f"{flood}-alone"))
@@ -256,6 +267,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]
     )
+    parser.add_argument(
+        "--publishing",
+        choices=PUBLISHINGS,
+        default="stream",
+        help="the quiet events: one relayr publish --stream, or a relayr publish per event",
+    )
     parser.add_argument("--keep", action="store_true", help="keep each case's home")
     parser.add_argument(
         "--set",
@@ -280,7 +297,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     judged = set(JUDGED_FLOODS) <= set(floods) and args.quiet >= JUDGED_QUIET
     lines: list[dict[str, Any]] = []
     for kind in available_storages("fairness", args.storage):
-        with deployment(kind, f"fairness-{kind}", keep=args.keep, **settings) as deployed:
+        with deployment(
+            kind,
+            f"fairness-{kind}",
+            keep=args.keep,
+            publishing=args.publishing,
+            **settings,
+        ) as deployed:
             results = asyncio.run(
                 measure(deployed, floods, args.quiet, args.interval_s, args.concurrency)
             )

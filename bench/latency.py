@@ -2,10 +2,12 @@
 
 ``python -m bench.latency`` measures what a new user sees: ``relayr run`` (the dispatcher and a
 worker subprocess, default settings) on a storage of the case's own, and ``deploy:finished``
-events published by ``relayr publish`` from another process, one every ``--interval-s`` (1 s),
-``--n`` of them (100). Each event's latency is its notice's commit time (artifactr's
-``message_posted`` envelope) minus its publish time (reflexr's envelope), both read from the
-stores (:mod:`bench.stamps`); one warm-up event first, not counted.
+events published from another process, one every ``--interval-s`` (1 s), ``--n`` of them (100):
+by one ``relayr publish --stream`` fed a line at a time (``--publishing stream``, the default,
+as an application publishes), or by a ``relayr publish`` process per event (``process``). Each
+event's latency is its notice's commit time (artifactr's ``message_posted`` envelope) minus its
+publish time (reflexr's envelope), both read from the stores (:mod:`bench.stamps`); one warm-up
+event first, not counted.
 
 Per storage (``--storage sqlite postgres``: the embedded default, and Redis with PostgreSQL
 when both answer), one JSON line::
@@ -37,7 +39,7 @@ from bench.common import (
     note,
     quiet_logging,
 )
-from bench.deployed import Deployment, deployment
+from bench.deployed import PUBLISHINGS, Deployment, deployment
 from bench.stamps import (
     Stores,
     deploy,
@@ -71,18 +73,17 @@ async def measure(
         threads = await stores.create_threads(WORKSPACE, n + 1)
         deployed.start("run", "--concurrency", str(concurrency), name="run")
         watch = await stores.watch([WORKSPACE])
-        await deployed.publish_paced(
-            WORKSPACE, [("latency-warm-up", deploy("warm-up", threads[0]))], interval_s
-        )
-        if not await watch.until(["warm-up"], WARM_UP_S):
-            raise SystemExit(f"the warm-up event's notice did not come: see {deployed.home}")
-        services = [f"svc-{index:05d}" for index in range(n)]
-        events = [
-            (f"latency-{index}", deploy(service, thread_of(threads, index + 1)))
-            for index, service in enumerate(services)
-        ]
-        load_before = machine()["load_avg"]
-        await deployed.publish_paced(WORKSPACE, events, interval_s)
+        async with deployed.publisher(WORKSPACE, "latency") as publisher:
+            await asyncio.to_thread(publisher.publish, deploy("warm-up", threads[0]))
+            if not await watch.until(["warm-up"], WARM_UP_S):
+                raise SystemExit(f"the warm-up event's notice did not come: see {deployed.home}")
+            services = [f"svc-{index:05d}" for index in range(n)]
+            rows = [
+                deploy(service, thread_of(threads, index + 1))
+                for index, service in enumerate(services)
+            ]
+            load_before = machine()["load_avg"]
+            await publisher.paced(rows, interval_s)
         complete = await watch.until(services, timeout_s=120.0 + n * 0.5)
         published = await stores.published(WORKSPACE)
         stages = await stores.stages(WORKSPACE)
@@ -124,6 +125,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]
     )
+    parser.add_argument(
+        "--publishing",
+        choices=PUBLISHINGS,
+        default="stream",
+        help="one relayr publish --stream, or a relayr publish per event",
+    )
     parser.add_argument("--keep", action="store_true", help="keep each case's home")
     args = parser.parse_args(argv)
     if args.n < 1 or args.interval_s <= 0 or args.concurrency < 1:
@@ -134,7 +141,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     lines: list[dict[str, Any]] = []
     for kind in available_storages("latency", args.storage):
         note(f"latency on {kind}: {args.n} events, one every {args.interval_s} s")
-        with deployment(kind, f"latency-{kind}", keep=args.keep) as deployed:
+        with deployment(
+            kind, f"latency-{kind}", keep=args.keep, publishing=args.publishing
+        ) as deployed:
             figures = asyncio.run(measure(deployed, args.n, args.interval_s, args.concurrency))
         emit(figures)
         lines += verdicts(figures, size)

@@ -25,6 +25,7 @@ COMMANDS: Final = {
     "fairness": (
         "bench.fairness",
         *("--floods", "4", "8", "--quiet", "2", "--interval-s", "0.5", "--storage", "sqlite"),
+        *("--publishing", "process"),
     ),
     "idle": (
         "bench.idle",
@@ -106,6 +107,7 @@ def test_latency_prints_the_percentiles_of_every_event_noticed(
         "filesystem",
         "sqlite",
     )
+    assert figures["publishing"] == "stream"
     assert figures["n"] == figures["notices"] == 3
     assert figures["complete"] is True
     assert figures["duplicates"] == 0
@@ -135,6 +137,7 @@ def test_fairness_prints_each_phase_then_its_verdicts(
         ("flood and quiet", 8, 2),
     ]
     for phase in phases:
+        assert phase["publishing"] == "process"
         assert phase["complete"] is True
         assert phase["duplicates"] == 0
         if phase["quiet"]:
