@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.fairness
 	$(BIN)/python -m bench.idle
 	$(BIN)/python -m bench.broker
+	$(BIN)/python -m bench.fair_queue
 	$(BIN)/python -m bench.cli
 	$(BIN)/python -m bench.console
 
