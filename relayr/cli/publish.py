@@ -5,16 +5,16 @@ One event: ``--data`` (a JSON object), ``--id`` to publish it once. Many: ``--da
 first bad one is named, exit 2, nothing published); the file goes in transactions of
 :data:`CHUNK_EVENTS`. With ``--stream``, each line is checked and published as it is read, in a
 transaction of its own, for a pipe that stays open (a bad line ends the stream, exit 2, the lines
-before it published). ``--id-prefix P`` gives line N the id ``P-N``, so publishing the file again
-adds nothing; without it, a publish that stopped half way names the last line published. A
-progress bar on a terminal, when tqdm (the ``console`` extra) is installed. Builds the
-application's rules part only (ADR-0050).
+before it published; Ctrl-C stops it, exit 130). ``--id-prefix P`` gives line N the id ``P-N``,
+so publishing the file again adds nothing; without it, a publish that stopped half way names the
+last line published. A progress bar on a terminal, when tqdm (the ``console`` extra) is
+installed. Builds the application's rules part only (ADR-0050).
 """
 
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Final
 
@@ -42,6 +42,12 @@ CHUNK_EVENTS: Final = 500
 transaction; 500 keep each one well under a second on SQLite (the write lock is held that long)
 while making a 100,000-line file 200 transactions instead of 100,000."""
 
+
+STREAM_AHEAD: Final = 100
+"""How many lines ``--stream`` reads ahead of what it has published."""
+
+EXIT_INTERRUPTED: Final = 130
+"""``--stream`` stopped by Ctrl-C (SIGINT), as a shell reports a command it interrupted."""
 
 UNDECODED_BYTE: Final = re.compile("[\udc80-\udcff]")
 """What ``surrogateescape`` makes of a byte that is not UTF-8: a lone surrogate, which no
@@ -424,8 +430,6 @@ def _publish_stream(
 ) -> None:
     """Publish each line of ``file`` as it is read, until it ends; print each event published,
     at once. Says on stderr when it reads, so a program feeding the pipe knows it is ready."""
-    import asyncio
-
     from reflexr.core import Forbidden, NotFound
 
     from relayr.runtime.application_parts import opened_rules
@@ -447,7 +451,7 @@ def _publish_stream(
             )
             reading = True
             number = 0
-            while text := await asyncio.to_thread(file.readline):
+            async for text in _lines_as_read(file):
                 number += 1
                 line = read_line(number, text, source, id_prefix)
                 if line is None:
@@ -463,6 +467,9 @@ def _publish_stream(
 
     try:
         run_async(main())
+    except KeyboardInterrupt:
+        click.echo(f"Stopped: {_published_before(last)}", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     except BadInput as bad:
         if not reading:
             raise
@@ -476,6 +483,38 @@ def _publish_stream(
             err=True,
         )
         sys.exit(EXIT_NOT_ALL_DONE)
+
+
+async def _lines_as_read(file: IO[str]) -> AsyncIterator[str]:
+    """The lines of ``file`` as they are read, by a daemon thread a few lines ahead: a thread
+    of the loop's executor blocked on a terminal would hold the process at its exit (after a
+    Ctrl-C) until a line came."""
+    import asyncio
+    import threading
+
+    loop = asyncio.get_running_loop()
+    read: asyncio.Queue[str | Exception | None] = asyncio.Queue(maxsize=STREAM_AHEAD)
+
+    def hand(item: str | Exception | None) -> None:
+        asyncio.run_coroutine_threadsafe(read.put(item), loop).result()
+
+    def reader() -> None:
+        try:
+            try:
+                for text in iter(file.readline, ""):
+                    hand(text)
+            except Exception as error:  # raised in the loop, as the read's own error
+                hand(error)
+            else:
+                hand(None)
+        except BaseException:  # the loop has ended: nobody reads any more
+            return
+
+    threading.Thread(target=reader, name="relayr-publish-input", daemon=True).start()
+    while (item := await read.get()) is not None:
+        if isinstance(item, Exception):
+            raise item
+        yield item
 
 
 def _echo_published(published: Any, event_type: str, number: int, as_json: bool) -> None:

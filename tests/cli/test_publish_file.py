@@ -7,6 +7,9 @@ after the first chunk would show as events written.
 
 import asyncio
 import json
+import os
+import pty
+import signal
 import sqlite3
 import subprocess
 from collections.abc import Iterator
@@ -357,3 +360,43 @@ def test_a_stream_publishes_each_line_while_its_pipe_stays_open(
             assert process.wait(STREAM_LINE_S) == 0, process.stderr.read()
         finally:
             process.kill()
+
+
+@pytest.mark.process
+def test_ctrl_c_stops_a_stream_read_from_a_terminal_and_says_what_was_published(
+    environment: dict[str, str],
+) -> None:
+    """A stream whose input is a terminal, waiting for the next line, stops on Ctrl-C (SIGINT)
+    at once, exit 130, saying which lines were published."""
+    command = relayr_command(
+        "publish", "acme/ops", "deploy:finished", "--data-file", "-", "--stream"
+    )
+    terminal, its_end = pty.openpty()
+    with (
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=environment,
+            stdin=its_end,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as process,
+        ThreadPoolExecutor(1) as reader,
+    ):
+        os.close(its_end)
+        assert process.stdout is not None
+        assert process.stderr is not None
+        try:
+            assert "as it is read" in reader.submit(process.stderr.readline).result(STREAM_LINE_S)
+            os.write(terminal, (json.dumps(deploy(1)) + "\n").encode())
+            printed = reader.submit(process.stdout.readline).result(STREAM_LINE_S)
+            assert printed.startswith("line 1: published deploy:finished ")
+            process.send_signal(signal.SIGINT)
+            assert process.wait(STREAM_LINE_S) == 130
+            assert process.stderr.read().strip() == (
+                "Stopped: the events of lines 1-1 were published"
+            )
+        finally:
+            process.kill()
+            os.close(terminal)
