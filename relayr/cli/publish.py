@@ -331,20 +331,13 @@ def _publish_one(
                 fail(f"event type {event_type!r} is not one this application accepts")
             except Forbidden as refused:
                 fail(f"event type {event_type!r} cannot be published: {refused.message}")
-        envelope = published.envelope
-        return {
-            "id": envelope.id,
-            "seq": envelope.seq,
-            "type": event_type,
-            "duplicate": published.duplicate,
-        }
+        return _published(published, event_type)
 
     result = run_async(main())
     if as_json:
         echo_json(result)
     else:
-        again = " (already published: nothing added)" if result["duplicate"] else ""
-        click.echo(f"published {event_type} {result['id']} at seq {result['seq']}{again}")
+        click.echo(_said(result))
 
 
 def _publish_lines(
@@ -517,24 +510,30 @@ async def _lines_as_read(file: IO[str]) -> AsyncIterator[str]:
         yield item
 
 
+def _published(published: Any, event_type: str) -> dict[str, Any]:
+    """What publishing one event did, as ``--json`` prints it."""
+    envelope = published.envelope
+    return {
+        "id": envelope.id,
+        "seq": envelope.seq,
+        "type": event_type,
+        "duplicate": published.duplicate,
+    }
+
+
+def _said(result: dict[str, Any]) -> str:
+    """:func:`_published`'s result as a line of text."""
+    again = " (already published: nothing added)" if result["duplicate"] else ""
+    return f"published {result['type']} {result['id']} at seq {result['seq']}{again}"
+
+
 def _echo_published(published: Any, event_type: str, number: int, as_json: bool) -> None:
     """One line for an event ``--stream`` published, flushed: a pipe's reader sees it now."""
-    envelope = published.envelope
+    result = {"line": number, **_published(published, event_type)}
     if as_json:
-        echo_json(
-            {
-                "line": number,
-                "id": envelope.id,
-                "seq": envelope.seq,
-                "type": event_type,
-                "duplicate": published.duplicate,
-            }
-        )
+        echo_json(result)
     else:
-        again = " (already published: nothing added)" if published.duplicate else ""
-        click.echo(
-            f"line {number}: published {event_type} {envelope.id} at seq {envelope.seq}{again}"
-        )
+        click.echo(f"line {number}: {_said(result)}")
     sys.stdout.flush()
 
 
