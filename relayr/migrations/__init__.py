@@ -91,7 +91,8 @@ async def upgrade(engine: AsyncEngine) -> str:
     begin each transaction with the file's write lock. A process that loses a race it was not
     locked out of (an engine of another kind) finds the tables at head and carries on. On
     PostgreSQL, tables already at head, as at almost every start, are found so with one read
-    of the revision, without the lock or loading the migrations (ADR-0124).
+    of the revision, without the lock or loading the migrations (ADR-0124); on SQLite, with
+    one read in the transaction, without loading the migrations (ADR-0126).
     """
     from sqlalchemy import text
     from sqlalchemy.exc import DBAPIError
@@ -147,11 +148,21 @@ def _revisions(connection: Connection, schemas: tuple[Schema, ...]) -> list[Revi
     return found
 
 
-def _upgrade_to_head(connection: Connection) -> str:
+def upgrade_behind(connection: Connection, schemas: tuple[Schema, ...]) -> list[Revision]:
+    """Upgrade to head each of ``schemas`` that is behind, on ``connection``, in its
+    transaction; where each is now. A schema at head is found so with one read of its version
+    table, without loading its migrations (ADR-0126)."""
     from alembic import command
 
-    command.upgrade(_config(RELAYR, connection), "head")
-    [revision] = _revisions(connection, (RELAYR,))
+    found = _revisions(connection, schemas)
+    behind = tuple(revision.schema for revision in found if not revision.at_head)
+    for schema in behind:
+        command.upgrade(_config(schema, connection), "head")
+    return _revisions(connection, schemas) if behind else found
+
+
+def _upgrade_to_head(connection: Connection) -> str:
+    [revision] = upgrade_behind(connection, (RELAYR,))
     return revision.current or revision.head
 
 

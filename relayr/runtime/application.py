@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from relayr.follow.config import Inbound
     from relayr.ledger.port import Ledger
+    from relayr.migrations import Schema
 
 type Library = Literal["artifactr", "reflexr"]
 
@@ -178,15 +179,16 @@ async def migrate(engine: AsyncEngine, libraries: Collection[Library] = BOTH) ->
     together migrate one at a time. SQLite needs none: each migration is a ``BEGIN IMMEDIATE``
     transaction, which takes the file's write lock.
 
-    On PostgreSQL, tables already up to date, as at almost every start, are found so with one
-    read of each library's revision, without the lock or loading the migrations (ADR-0124).
+    Tables already up to date, as at almost every start, are found so with one read of each
+    library's revision, without loading the migrations: on PostgreSQL before the lock
+    (ADR-0124), on SQLite in the migration's own transaction (ADR-0126).
     """
-    if engine.dialect.name != "postgresql":
-        await _migrate(engine, libraries)
-        return
     from relayr.migrations import SCHEMAS, revisions
 
     schemas = tuple(schema for schema in SCHEMAS if schema.name in libraries)
+    if engine.dialect.name != "postgresql":
+        await _upgrade_behind(engine, schemas)
+        return
     if all(found.at_head for found in await revisions(engine, schemas)):
         return
     from sqlalchemy import text
@@ -196,24 +198,18 @@ async def migrate(engine: AsyncEngine, libraries: Collection[Library] = BOTH) ->
             await lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK})
         await lock.commit()
         try:
-            await _migrate(engine, libraries)
+            await _upgrade_behind(engine, schemas)
         finally:
             await lock.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK})
             await lock.commit()
 
 
-async def _migrate(engine: AsyncEngine, libraries: Collection[Library]) -> None:
-    for library in BOTH:
-        if library not in libraries:
-            continue
-        if library == "artifactr":
-            import artifactr.sql
+async def _upgrade_behind(engine: AsyncEngine, schemas: tuple[Schema, ...]) -> None:
+    """Upgrade, in one transaction, each of ``schemas`` that is behind its head."""
+    from relayr.migrations import upgrade_behind
 
-            await artifactr.sql.migrate(engine)
-        else:
-            import reflexr.sql
-
-            await reflexr.sql.migrate(engine)
+    async with engine.begin() as connection:
+        await connection.run_sync(upgrade_behind, schemas)
 
 
 async def open_storage(settings: Settings) -> SharedStorage:

@@ -20,6 +20,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from click.testing import CliRunner
+from reflexr.sql.tables import metadata as reflexr_tables
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -312,6 +313,39 @@ async def test_tables_at_head_are_found_so_without_waiting_for_a_migration(
         async with asyncio.timeout(AT_HEAD_S):
             await migrate(engine)
             assert await migrations.upgrade(engine) == migrations.head()
+
+
+async def test_a_start_runs_alembic_only_for_a_schema_behind_its_head(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An empty database has Alembic upgrade each of the three schemas once; a start on tables
+    at head, as at almost every start, loads no migration (on SQLite it reads the revisions in
+    the migration's transaction); a schema put back behind its head is upgraded alone."""
+    from alembic import command
+
+    upgraded: list[str] = []
+    real_upgrade = command.upgrade
+
+    def recording(config: Config, revision: str) -> None:
+        upgraded.append(config.get_main_option("script_location") or "")
+        real_upgrade(config, revision)
+
+    monkeypatch.setattr(command, "upgrade", recording)
+    await migrate(engine)
+    await migrations.upgrade(engine)
+    assert upgraded == [schema.migrations for schema in migrations.SCHEMAS]
+
+    upgraded.clear()
+    await migrate(engine)
+    await migrations.upgrade(engine)
+    assert upgraded == []
+
+    async with engine.begin() as connection:  # reflexr's tables gone, the others kept
+        await connection.run_sync(reflexr_tables.drop_all)
+        await connection.execute(text("DROP TABLE reflexr_alembic_version"))
+    await migrate(engine)
+    assert upgraded == ["reflexr.sql:migrations"]
+    assert all(found.at_head for found in await migrations.revisions(engine))
 
 
 async def test_upgrades_that_start_together_upgrade_once(database_url: str) -> None:
