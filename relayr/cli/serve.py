@@ -180,7 +180,8 @@ def batch_enqueuer(settings: "Settings") -> "Enqueue":
     retry``'s :func:`relayr.cli.runs.enqueuer` does), and the loop keeps serving what else runs
     on it meanwhile: the followers and their leases, the heartbeat, ``relayr run``'s
     supervisor. The dispatcher awaits each batch before it sends the next, so one thread
-    publishes at a time, in the dispatcher's order; Celery takes its connection and producer
+    publishes at a time in a pass's order, and one more for what it decides beside a pass
+    (ADR-0127); Celery takes its connection and producer
     from kombu's pools (thread-safe queues, which ``relayr runs retry`` already uses from a
     thread), and the thread gets the caller's context (the enqueue's trace, ADR-0080).
     """

@@ -2,8 +2,9 @@
 
 Woken by the store (:mod:`relayr.dispatch.changes`, ADR-0091), a pass evaluates the reflexr
 workspaces that moved (:mod:`relayr.dispatch.evaluation`), those without a backlog first, and
-follows the artifactr logs that moved into reflexr (ADR-0065); a slow sweep catches a lost
-notification, and schedules and the due list are read on time. Due runs wait in a fair queue
+follows the artifactr logs that moved into reflexr (ADR-0065); a workspace with nothing
+waiting whose log moves during a pass is decided beside it (ADR-0127); a slow sweep catches a
+lost notification, and schedules and the due list are read on time. Due runs wait in a fair queue
 and go out between tenants and workspaces in turn, at most ``fair_messages`` messages of a
 workspace in the broker, a backlog's behind the others (ADR-0093, ADR-0114), up to
 :data:`relayr.core.run_messages.MAX_BATCH_RUNS` per message (a run whose last attempt was
@@ -275,6 +276,10 @@ class Dispatcher:
         """Workspaces evaluated one transaction short of their head: each pass evaluates one
         more transaction of each, in turn, after the workspaces without a backlog."""
         self._to_follow: dict[Workspace, None] = {}
+        self._evaluating: set[Workspace] = set()
+        """Workspaces whose evaluation is under way (a pass's, or one beside it)."""
+        self._enqueuing: set[_RunKey] = set()
+        """Runs whose message is being handed to the queue, not yet recorded sent."""
         self._limits_read_at: float | None = None
 
     @property
@@ -374,7 +379,9 @@ class Dispatcher:
         lost: list[tuple[_RunKey, Run]] = []
         for key, run in listed.items():
             queued = self._sent.runs.get(key)
-            if queued is None or queued.attempt != _attempt(run):
+            if key in self._enqueuing:  # handed out beside this pass, its message on its way
+                waiting += 1
+            elif queued is None or queued.attempt != _attempt(run):
                 self._fair.add(key[:2], key, _Due(key, run), alone=_alone(run))
             elif self._lost(queued.message, now):
                 logger.info(
@@ -437,13 +444,17 @@ class Dispatcher:
         """Evaluate one transaction of ``batch`` envelopes of each workspace of ``chosen``; those
         left short of their head wait in :attr:`_backlogged` for the next pass (the caller took
         ``chosen`` out of it). The runs their firings made."""
-        evaluated = await evaluate_each(
-            self._rules,
-            [WorkspaceRef(tenant_id, workspace_id) for tenant_id, workspace_id in chosen],
-            evaluated_to=self._evaluated_to,
-            whole=False,
-            batch=batch,
-        )
+        self._evaluating.update(chosen)
+        try:
+            evaluated = await evaluate_each(
+                self._rules,
+                [WorkspaceRef(tenant_id, workspace_id) for tenant_id, workspace_id in chosen],
+                evaluated_to=self._evaluated_to,
+                whole=False,
+                batch=batch,
+            )
+        finally:
+            self._evaluating.difference_update(chosen)
         self._backlogged.update(
             dict.fromkeys((ref.tenant_id, ref.workspace_id) for ref in evaluated.behind)
         )
@@ -455,6 +466,8 @@ class Dispatcher:
         A workspace a pass decided less than ``dispatch_settle_s`` ago waits out the rest, what
         moves in it meanwhile decided together in one pass (ADR-0120). Passes also come every
         ``dispatch_interval_s`` (schedules, the due list) and sweep every ``dispatch_sweep_s``.
+        While a pass runs, a workspace with nothing waiting whose log moves is decided beside
+        it (ADR-0127).
         A pass that fails is logged and the next one starts over; a pass that left work behind
         is followed at once by the next, and the last of such passes (the first sweep's too)
         logs ``dispatcher caught up``, with how many passes and how long they took. A feed that
@@ -521,7 +534,9 @@ class Dispatcher:
             more = False
             await self.report_limits()
             try:
-                done = await self.pass_once(enqueue, changes)
+                done = await self._deciding_fresh(
+                    self.pass_once(enqueue, changes), enqueue, feed, settling
+                )
                 more = self.behind or (self._due_read_at is None and done.enqueued > 0)
             except Exception:
                 logger.exception("a dispatch pass failed; the next one starts over")
@@ -535,6 +550,72 @@ class Dispatcher:
                     catching_up = None
             if more:
                 await asyncio.sleep(0)
+
+    async def _deciding_fresh(
+        self,
+        passing: Awaitable[DispatchPass],
+        enqueue: Enqueue,
+        feed: ChangeFeed,
+        settling: "_Settling",
+    ) -> DispatchPass:
+        """Await a pass; meanwhile decide at once each workspace whose log moves and that is
+        fresh (:meth:`_fresh`), so a new event does not wait for the rest of a pass under way,
+        a backlog's long transaction among it (ADR-0127). What is not fresh is held for the
+        next pass, as before."""
+        task = asyncio.ensure_future(passing)
+        try:
+            while not task.done():
+                woken = asyncio.ensure_future(feed.wait(self._interval_s))
+                try:
+                    await asyncio.wait((task, woken), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    woken.cancel()
+                    await asyncio.gather(woken, return_exceptions=True)
+                if task.done() or not feed.woken:
+                    continue
+                settling.gather(feed.take())
+                fresh = settling.take_fresh(self._monotonic(), self._fresh, EVALUATION_BATCH)
+                if fresh:
+                    await self._decide_fresh(enqueue, fresh)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def _fresh(self, workspace: Workspace) -> bool:
+        """Whether nothing of ``workspace`` waits in this dispatcher: not queued for a pass's
+        evaluation, no backlog, no due runs held back, no evaluation under way; and this
+        dispatcher decides it."""
+        return (
+            workspace not in self._to_evaluate
+            and workspace not in self._backlogged
+            and workspace not in self._evaluating
+            and not self._fair.waiting(workspace)
+            and (self._owns is None or self._owns(*workspace))
+        )
+
+    async def _decide_fresh(self, enqueue: Enqueue, fresh: list[Workspace]) -> None:
+        """Evaluate ``fresh`` (one transaction of envelopes each) and hand out what fired, beside
+        the pass under way; a workspace left behind, or whose evaluation failed, goes to the
+        next pass."""
+        try:
+            fired = await self._evaluate(fresh)
+        except Exception:
+            logger.exception("deciding workspaces beside a pass failed; the next pass does")
+            self._to_evaluate.update(dict.fromkeys(fresh))
+            return
+        policy = RunPolicy.of(self._rules.rules.values())
+        enqueued, messages, failed = await self._hand_out_fired(enqueue, fired, policy)
+        if fired:
+            logger.info(
+                "decided beside a pass",
+                workspaces=len(fresh),
+                firings=len(fired),
+                enqueued=enqueued,
+                messages=messages,
+                failed=failed,
+            )
 
     async def report_limits(self) -> None:
         """Say what each bound of the allowlist file's limits uses now (a ``LimitsUsed`` fact,
@@ -681,6 +762,8 @@ class Dispatcher:
                 run_ids=tuple(run.id for _, run in runs),
                 behind=message.behind,
             )
+            keys = [key for key, _ in runs]
+            self._enqueuing.update(keys)
             try:
                 with telemetry.enqueuing(batch.tenant_id, batch.workspace_id, batch.run_ids):
                     await enqueue(batch)
@@ -688,6 +771,8 @@ class Dispatcher:
                 logger.exception("enqueueing runs failed", run_ids=list(batch.run_ids))
                 failed += len(runs)
                 continue
+            finally:
+                self._enqueuing.difference_update(keys)
             self._sent_now(message.workspace, runs, behind=message.behind)
             enqueued += len(runs)
             messages += 1
@@ -811,6 +896,17 @@ class _Settling:
     def _settles_at(self, workspace: Workspace) -> float:
         """When a change of ``workspace`` may pass (minus infinity: at once)."""
         return self._taken_at.get(workspace, -math.inf) + self._settle_s
+
+    def take_fresh(
+        self, now: float, fresh: Callable[[Workspace], bool], limit: int
+    ) -> list[Workspace]:
+        """Up to ``limit`` workspaces whose reflexr log moved, that settled and are ``fresh``,
+        their changes now taken (an artifactr change stays held for the pass that follows)."""
+        chosen = sorted(w for w in self._held.rules if self._settles_at(w) <= now and fresh(w))
+        chosen = chosen[:limit]
+        self._held.rules.difference_update(chosen)
+        self._taken_at.update(dict.fromkeys(chosen, now))
+        return chosen
 
     def take(self, now: float, *, whole: bool) -> Changes:
         """The held changes whose workspace settled (all of them if ``whole``), now taken."""

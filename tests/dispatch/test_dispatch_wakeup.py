@@ -10,6 +10,7 @@ workspace's change passes at once.
 """
 
 import asyncio
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -173,6 +174,66 @@ async def test_serve_is_woken_by_the_store_not_by_its_sweep(harness: Harness) ->
         await serving
 
     assert "late" in queue.workspaces()
+
+
+@pytest.fixture
+async def held(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
+    """A harness whose dispatcher passes only when woken (no timed pass nor sweep comes during
+    a test), settling for no time."""
+    async with woken(
+        database_url, tmp_path, dispatch_interval_s=3600, dispatch_settle_s=0
+    ) as harness:
+        yield harness
+
+
+async def test_a_new_event_is_decided_while_a_pass_under_way_is_held(held: Harness) -> None:
+    """A pass is held handing out one workspace's run (its broker does not answer); an event
+    of another workspace, published meanwhile, is decided and its run handed out before the
+    held pass ends: a pass under way does not hold a workspace that has nothing waiting."""
+    harness = held
+    stop = asyncio.Event()
+    queue = Queue()
+    gate = asyncio.Event()
+    holding = asyncio.Event()
+    arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def enqueue(batch: RunMessage) -> None:
+        if batch.workspace_id == "busy":
+            holding.set()
+            await gate.wait()
+        await queue.enqueue(batch)
+        arrived[batch.workspace_id].set()
+
+    passes = 0
+    passed = asyncio.Event()
+    pass_once = harness.dispatcher.pass_once
+
+    async def counted(enqueue: Any, changes: Changes | None = None) -> Any:
+        nonlocal passes
+        done = await pass_once(enqueue, changes)
+        passes += 1
+        passed.set()
+        return done
+
+    harness.dispatcher.pass_once = counted  # type: ignore[method-assign]
+    serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await passed.wait()  # the first pass's sweep is over
+            await publish(harness, "busy")
+            await holding.wait()
+            await publish(harness, "quiet")
+            await arrived["quiet"].wait()
+        assert "busy" not in queue.workspaces()
+        assert passes == 1  # the pass that took "busy" is still held
+        gate.set()
+        async with asyncio.timeout(WAIT_S):
+            await arrived["busy"].wait()
+    finally:
+        gate.set()
+        stop.set()
+        await serving
+    assert sorted(batch.workspace_id for batch in queue.sent) == ["busy", "quiet"]
 
 
 @pytest.fixture

@@ -300,7 +300,9 @@ async def migrating_elsewhere(database_url: str) -> AsyncIterator[None]:
         await engine.dispose()
 
 
-@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+@pytest.mark.parametrize(
+    "database_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
 async def test_tables_at_head_are_found_so_without_waiting_for_a_migration(
     engine: AsyncEngine, database_url: str
 ) -> None:
