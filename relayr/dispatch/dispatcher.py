@@ -585,13 +585,15 @@ class Dispatcher:
 
     def _fresh(self, workspace: Workspace) -> bool:
         """Whether nothing of ``workspace`` waits in this dispatcher: not queued for a pass's
-        evaluation, no backlog, no due runs held back, no evaluation under way; and this
-        dispatcher decides it."""
+        evaluation, no backlog, no due runs held back, no evaluation under way, no message on
+        its way to the broker (which a new one would overtake); and this dispatcher decides
+        it."""
         return (
             workspace not in self._to_evaluate
             and workspace not in self._backlogged
             and workspace not in self._evaluating
             and not self._fair.waiting(workspace)
+            and all(key[:2] != workspace for key in self._enqueuing)
             and (self._owns is None or self._owns(*workspace))
         )
 

@@ -236,6 +236,61 @@ async def test_a_new_event_is_decided_while_a_pass_under_way_is_held(held: Harne
     assert sorted(batch.workspace_id for batch in queue.sent) == ["busy", "quiet"]
 
 
+async def test_a_workspace_whose_message_is_on_its_way_is_left_to_the_next_pass(
+    held: Harness,
+) -> None:
+    """While a pass is held handing out a workspace's run, that workspace's next event is not
+    decided beside the pass (its run's message would overtake the one on its way); another
+    workspace's is. The held workspace's next run goes out in the next pass, after the first."""
+    harness = held
+    stop = asyncio.Event()
+    queue = Queue()
+    gate = asyncio.Event()
+    holding = asyncio.Event()
+    quiet = asyncio.Event()
+    both = asyncio.Event()
+
+    async def enqueue(batch: RunMessage) -> None:
+        if batch.workspace_id == "busy":
+            holding.set()
+            await gate.wait()
+        await queue.enqueue(batch)
+        if batch.workspace_id == "quiet":
+            quiet.set()
+        if [b.workspace_id for b in queue.sent].count("busy") == 2:
+            both.set()
+
+    passed = asyncio.Event()
+    pass_once = harness.dispatcher.pass_once
+
+    async def signalled(enqueue: Any, changes: Changes | None = None) -> Any:
+        done = await pass_once(enqueue, changes)
+        passed.set()
+        return done
+
+    harness.dispatcher.pass_once = signalled  # type: ignore[method-assign]
+    serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await passed.wait()  # the first pass's sweep is over
+            await publish(harness, "busy")
+            await holding.wait()
+            await publish(harness, "busy")
+            await publish(harness, "quiet")
+            await quiet.wait()
+        assert [batch.workspace_id for batch in queue.sent] == ["quiet"]
+        gate.set()
+        async with asyncio.timeout(WAIT_S):
+            await both.wait()
+    finally:
+        gate.set()
+        stop.set()
+        await serving
+    first, second = [batch.run_ids for batch in queue.sent if batch.workspace_id == "busy"]
+    runs = {run.id: run for run in await harness.rules.storage.runs(WorkspaceRef("acme", "busy"))}
+    assert runs[first[0]].fired_seq < runs[second[0]].fired_seq  # the log's order
+
+
 @pytest.fixture
 async def settling(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
     """A harness whose dispatcher passes only when woken: no timed pass nor sweep comes during
