@@ -573,8 +573,11 @@ class Dispatcher:
                     await asyncio.gather(woken, return_exceptions=True)
                 if task.done() or not feed.woken:
                     continue
-                settling.gather(feed.take())
-                fresh = settling.take_fresh(self._monotonic(), self._fresh, EVALUATION_BATCH)
+                moved = feed.take()
+                settling.gather(moved)
+                fresh = settling.take_fresh(
+                    moved.rules, self._monotonic(), self._fresh, EVALUATION_BATCH
+                )
                 if fresh:
                     await self._decide_fresh(enqueue, fresh)
             return task.result()
@@ -900,12 +903,12 @@ class _Settling:
         return self._taken_at.get(workspace, -math.inf) + self._settle_s
 
     def take_fresh(
-        self, now: float, fresh: Callable[[Workspace], bool], limit: int
+        self, moved: set[Workspace], now: float, fresh: Callable[[Workspace], bool], limit: int
     ) -> list[Workspace]:
-        """Up to ``limit`` workspaces whose reflexr log moved, that settled and are ``fresh``,
-        their changes now taken (an artifactr change stays held for the pass that follows)."""
-        chosen = sorted(w for w in self._held.rules if self._settles_at(w) <= now and fresh(w))
-        chosen = chosen[:limit]
+        """Up to ``limit`` of the workspaces whose reflexr log just ``moved`` that settled and
+        are ``fresh``, their held changes now taken (an artifactr change stays held for the pass
+        that follows)."""
+        chosen = sorted(w for w in moved if self._settles_at(w) <= now and fresh(w))[:limit]
         self._held.rules.difference_update(chosen)
         self._taken_at.update(dict.fromkeys(chosen, now))
         return chosen
