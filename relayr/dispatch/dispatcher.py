@@ -18,6 +18,7 @@ attempt.
 
 import asyncio
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
@@ -573,11 +574,8 @@ class Dispatcher:
                     await asyncio.gather(woken, return_exceptions=True)
                 if task.done() or not feed.woken:
                     continue
-                moved = feed.take()
-                settling.gather(moved)
-                fresh = settling.take_fresh(
-                    moved.rules, self._monotonic(), self._fresh, EVALUATION_BATCH
-                )
+                settling.gather(feed.take())
+                fresh = settling.take_fresh(self._monotonic(), self._fresh, EVALUATION_BATCH)
                 if fresh:
                     await self._decide_fresh(enqueue, fresh)
             return task.result()
@@ -903,12 +901,13 @@ class _Settling:
         return self._taken_at.get(workspace, -math.inf) + self._settle_s
 
     def take_fresh(
-        self, moved: set[Workspace], now: float, fresh: Callable[[Workspace], bool], limit: int
+        self, now: float, fresh: Callable[[Workspace], bool], limit: int
     ) -> list[Workspace]:
-        """Up to ``limit`` of the workspaces whose reflexr log just ``moved`` that settled and
-        are ``fresh``, their held changes now taken (an artifactr change stays held for the pass
-        that follows)."""
-        chosen = sorted(w for w in moved if self._settles_at(w) <= now and fresh(w))[:limit]
+        """Up to ``limit`` workspaces whose reflexr log moved, that settled and are ``fresh``,
+        their changes now taken (an artifactr change stays held for the pass that follows). A
+        change held earlier counts too: its workspace may have settled since."""
+        found = (w for w in self._held.rules if self._settles_at(w) <= now and fresh(w))
+        chosen = list(itertools.islice(found, limit))
         self._held.rules.difference_update(chosen)
         self._taken_at.update(dict.fromkeys(chosen, now))
         return chosen
