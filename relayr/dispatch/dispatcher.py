@@ -2,18 +2,15 @@
 
 Woken by the store (:mod:`relayr.dispatch.changes`, ADR-0091), a pass evaluates the reflexr
 workspaces that moved (:mod:`relayr.dispatch.evaluation`), those without a backlog first, and
-follows the artifactr logs that moved into reflexr (ADR-0065); a workspace with nothing
-waiting whose log moves during a pass is decided beside it (ADR-0127); a slow sweep catches a
-lost notification, and schedules and the due list are read on time. Due runs wait in a fair queue
-and go out between tenants and workspaces in turn, at most ``fair_messages`` messages of a
-workspace in the broker, a backlog's behind the others (ADR-0093, ADR-0114), up to
-:data:`relayr.core.run_messages.MAX_BATCH_RUNS` per message (a run whose last attempt was
-abandoned goes alone). In :meth:`Dispatcher.serve` a dispatcher decides only the workspaces of
-the shards it holds (:mod:`relayr.dispatch.shards`, ADR-0092), so any number can run. The store
-is the truth (ADR-0001): the dispatcher remembers only which attempt it enqueued, and enqueues
-again a run whose message it presumes lost, :attr:`~relayr.settings.Settings.requeue_after_s`
-after the queue shows it (ADR-0003). A duplicate costs one declined claim, never a second
-attempt.
+follows the artifactr logs that moved into reflexr (ADR-0065); a workspace with nothing waiting
+whose log moves during a pass is decided beside it (ADR-0127); a slow sweep catches a lost
+notification. Due runs go out fairly between tenants and workspaces, at most ``fair_messages``
+messages of a workspace in the broker, a backlog's behind the others (ADR-0093, ADR-0114). In
+:meth:`Dispatcher.serve` a dispatcher decides only the workspaces of the shards it holds
+(:mod:`relayr.dispatch.shards`, ADR-0092), so any number can run. The store is the truth
+(ADR-0001): a run whose message is presumed lost is enqueued again
+(:attr:`~relayr.settings.Settings.requeue_after_s`, ADR-0003); a duplicate costs one declined
+claim, never a second attempt.
 """
 
 import asyncio

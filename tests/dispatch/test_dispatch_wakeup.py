@@ -176,6 +176,22 @@ async def test_serve_is_woken_by_the_store_not_by_its_sweep(harness: Harness) ->
     assert "late" in queue.workspaces()
 
 
+class Passes:
+    """Counts the passes ``dispatcher`` ends, and says when one did (``ended``)."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        self.count = 0
+        self.ended = asyncio.Event()
+        self._pass_once = dispatcher.pass_once
+        dispatcher.pass_once = self._counted
+
+    async def _counted(self, enqueue: Any, changes: Changes | None = None) -> Any:
+        done = await self._pass_once(enqueue, changes)
+        self.count += 1
+        self.ended.set()
+        return done
+
+
 @pytest.fixture
 async def held(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
     """A harness whose dispatcher passes only when woken (no timed pass nor sweep comes during
@@ -204,28 +220,17 @@ async def test_a_new_event_is_decided_while_a_pass_under_way_is_held(held: Harne
         await queue.enqueue(batch)
         arrived[batch.workspace_id].set()
 
-    passes = 0
-    passed = asyncio.Event()
-    pass_once = harness.dispatcher.pass_once
-
-    async def counted(enqueue: Any, changes: Changes | None = None) -> Any:
-        nonlocal passes
-        done = await pass_once(enqueue, changes)
-        passes += 1
-        passed.set()
-        return done
-
-    harness.dispatcher.pass_once = counted  # type: ignore[method-assign]
+    passes = Passes(harness.dispatcher)
     serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
     try:
         async with asyncio.timeout(WAIT_S):
-            await passed.wait()  # the first pass's sweep is over
+            await passes.ended.wait()  # the first pass's sweep is over
             await publish(harness, "busy")
             await holding.wait()
             await publish(harness, "quiet")
             await arrived["quiet"].wait()
         assert "busy" not in queue.workspaces()
-        assert passes == 1  # the pass that took "busy" is still held
+        assert passes.count == 1  # the pass that took "busy" is still held
         gate.set()
         async with asyncio.timeout(WAIT_S):
             await arrived["busy"].wait()
@@ -260,19 +265,11 @@ async def test_a_workspace_whose_message_is_on_its_way_is_left_to_the_next_pass(
         if [b.workspace_id for b in queue.sent].count("busy") == 2:
             both.set()
 
-    passed = asyncio.Event()
-    pass_once = harness.dispatcher.pass_once
-
-    async def signalled(enqueue: Any, changes: Changes | None = None) -> Any:
-        done = await pass_once(enqueue, changes)
-        passed.set()
-        return done
-
-    harness.dispatcher.pass_once = signalled  # type: ignore[method-assign]
+    passes = Passes(harness.dispatcher)
     serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
     try:
         async with asyncio.timeout(WAIT_S):
-            await passed.wait()  # the first pass's sweep is over
+            await passes.ended.wait()  # the first pass's sweep is over
             await publish(harness, "busy")
             await holding.wait()
             await publish(harness, "busy")
