@@ -187,12 +187,20 @@ class Phase:
 
 
 async def measure(
-    deployed: Deployment, floods: Sequence[int], quiet: int, interval_s: float, concurrency: int
+    deployed: Deployment,
+    floods: Sequence[int],
+    quiet: int,
+    interval_s: float,
+    processes: tuple[int, int],
 ) -> list[dict[str, Any]]:
-    """Every phase on one ``relayr run``, one after the other; their figures."""
+    """Every phase on one ``relayr run`` of ``processes`` (its ``--concurrency`` and
+    ``--reserve``), one after the other; their figures."""
     results = []
+    concurrency, reserve = processes
     async with Stores.opened(deployed.settings) as stores:
-        deployed.start("run", "--concurrency", str(concurrency), name="run")
+        deployed.start(
+            "run", "--concurrency", str(concurrency), "--reserve", str(reserve), name="run"
+        )
         await warm_up(deployed, stores)
         phases = [Phase("quiet alone", 0, quiet, "alone")]
         for flood in floods:
@@ -202,6 +210,7 @@ async def measure(
             note(f"{deployed.storage.kind}: {phase.name}, flood {phase.flood}, quiet {phase.quiet}")
             figures = await phase.run(deployed, stores, interval_s)
             figures["worker_processes"] = concurrency
+            figures["reserve_processes"] = reserve
             emit(figures)
             results.append(figures)
     return results
@@ -265,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--interval-s", type=float, default=1.0, help="between quiet events")
     parser.add_argument("--concurrency", type=int, default=2, help="the worker's processes")
     parser.add_argument(
+        "--reserve", type=int, default=1, help="the worker's processes kept for lone messages"
+    )
+    parser.add_argument(
         "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]
     )
     parser.add_argument(
@@ -291,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings[name] = value
     if min(args.floods) < 1 or args.quiet < 1 or args.interval_s <= 0 or args.concurrency < 1:
         parser.error("--floods, --quiet and --concurrency must be at least 1, --interval-s above 0")
+    if args.reserve < 0:
+        parser.error("--reserve must be at least 0")
     floods = sorted(set(args.floods))
     quiet_logging()
     emit({"bench": "machine", **machine(), "settings": settings})
@@ -305,7 +319,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             **settings,
         ) as deployed:
             results = asyncio.run(
-                measure(deployed, floods, args.quiet, args.interval_s, args.concurrency)
+                measure(
+                    deployed,
+                    floods,
+                    args.quiet,
+                    args.interval_s,
+                    (args.concurrency, args.reserve),
+                )
             )
         lines += verdicts(results, "full" if judged else "small")
     for line in lines:

@@ -35,6 +35,7 @@ from relayr.broker.consumers import (
     write_all,
 )
 from relayr.broker.dead_letters import SetAsideOnError, decode, log_set_aside
+from relayr.broker.reserve import behind_at_most
 
 logger = structlog.get_logger("relayr.broker")
 
@@ -77,7 +78,9 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
 
     Transport options: ``folder`` (required: the broker's folder), ``fsync`` (default False:
     flush each message and its queue folder to disk before the publish returns, for a message
-    that must outlive a power cut; relayr's need not, reflexr's store is the truth about a run).
+    that must outlive a power cut; relayr's need not, reflexr's store is the truth about a run),
+    ``behind_at_most`` (default unset: while the channel holds this many messages of a lower
+    priority, it takes only the highest's; :mod:`relayr.broker.reserve`).
     """
 
     QoS = QoS
@@ -92,6 +95,7 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
         for name in layout.FOLDERS:
             (self.root / name).mkdir(parents=True, exist_ok=True)
         self.fsync = bool(options.get("fsync", False))
+        self.behind_at_most = behind_at_most(options)
         self._holder: Holder | None = None
         self._held: dict[str, tuple[str, str]] = {}
         self._candidates: dict[str, deque[str]] = {}
@@ -150,7 +154,8 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
     def _get(self, queue: str) -> dict[str, Any]:
         """Take the oldest message of ``queue``'s highest priority that no other consumer takes
         first. A message of a lower priority is taken only from a listing made now (messages of
-        the highest are taken from the last one): one that came meanwhile goes before it."""
+        the highest are taken from the last one): one that came meanwhile goes before it; and
+        none while the channel holds ``behind_at_most`` of them."""
         holder = self._holder_here()
         queue_folder = layout.queue_folder_name(queue)
         source_folder = self.root / layout.QUEUES / queue_folder
@@ -171,9 +176,12 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
                     )
                 )
                 continue
-            if not listed and candidates[0].startswith(layout.LOWER_PRIORITY_PREFIX):
-                candidates.clear()  # a message of a higher priority may have come since
-                continue
+            if candidates[0].startswith(layout.LOWER_PRIORITY_PREFIX):
+                if not listed:
+                    candidates.clear()  # a message of a higher priority may have come since
+                    continue
+                if self._ahead_only():
+                    raise Empty()  # a settled message wakes the consumer (QoS)
             name = candidates.popleft()
             held_folder = holder.held_folder(queue_folder)
             held = held_folder / name
@@ -265,6 +273,13 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
         if message is not None and no_ack:
             self.settle(message.delivery_tag)
         return message
+
+    def _ahead_only(self) -> bool:
+        """Whether this channel holds all the messages of a lower priority it may."""
+        if self.behind_at_most is None:
+            return False
+        lower = layout.LOWER_PRIORITY_PREFIX
+        return sum(name.startswith(lower) for _, name in self._held.values()) >= self.behind_at_most
 
     def _holder_here(self) -> Holder:
         """This channel's consumer folder, made (after a look for dead consumers) when first

@@ -6,12 +6,21 @@ onto ``<queue>.dead`` with one ``broker message set aside`` log line, and the co
 Fanout messages and ``rediss://`` keep kombu's own handling.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 from kombu.transport import redis as kombu_redis
 from kombu.utils import encoding, json
 
 from relayr.broker.dead_letters import SetAsideOnError, decode, log_set_aside
+from relayr.broker.reserve import BEHIND_AT_MOST, behind_at_most, is_behind
+
+AHEAD_ONLY_WAIT_S: Final = 0.02
+"""How long a consumer that holds all the backlog's messages it may (ADR-0128) blocks on the
+highest priority's list before it looks at every list again: a message of the highest priority
+is taken the moment it comes, and a backlog's next message at most this long after one of its
+own ended (Redis cannot widen a ``BRPOP`` under way)."""
 
 DEAD_LETTER_SUFFIX: Final = ".dead"
 """A queue's dead letters are the list named after it with this suffix: next to it in any
@@ -31,13 +40,26 @@ def dead_letter_list(queue: str) -> str:
 
 
 class QoS(KombuQoS):  # type: ignore[misc]  # kombu, used untyped
-    """kombu's Redis QoS; a message rejected without requeue is set aside, not dropped."""
+    """kombu's Redis QoS; a message rejected without requeue is set aside, not dropped. It
+    counts the messages of a lower priority it holds (:mod:`relayr.broker.reserve`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.behind: set[str] = set()
+        """The delivery tags of the messages of a lower priority held unacknowledged."""
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        super().append(message, delivery_tag)
+        if is_behind(message.properties):
+            self.behind.add(delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
         self.channel.consumed_from.pop(delivery_tag, None)
+        self.behind.discard(delivery_tag)
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        self.behind.discard(delivery_tag)
         queue = self.channel.consumed_from.pop(delivery_tag, None)
         if not requeue:
             try:
@@ -54,9 +76,17 @@ class QoS(KombuQoS):  # type: ignore[misc]  # kombu, used untyped
 
 
 class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, used untyped
-    """kombu's Redis channel whose ``BRPOP`` replies are screened (see the module docstring)."""
+    """kombu's Redis channel whose ``BRPOP`` replies are screened (see the module docstring).
+
+    With the transport option ``behind_at_most`` (:mod:`relayr.broker.reserve`), a consumer that
+    holds that many messages of a lower priority asks only the highest priority's list, for
+    :data:`AHEAD_ONLY_WAIT_S` at a time, until one of them is settled.
+    """
 
     QoS = QoS
+    from_transport_options = (*KombuChannel.from_transport_options, BEHIND_AT_MOST)
+    behind_at_most: int | None = None
+    priority_steps: list[int]  # kombu's, from its class or its transport option
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._screened: list[tuple[str, bytes, str]] = []
@@ -64,6 +94,7 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
         """The queue each unacknowledged delivery came from, by delivery tag: its dead letters'
         list, whatever routing key the message was published with."""
         super().__init__(*args, **kwargs)
+        self.behind_at_most = behind_at_most({BEHIND_AT_MOST: self.behind_at_most})
 
     def basic_consume(
         self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any
@@ -84,6 +115,34 @@ class Channel(SetAsideOnError, KombuChannel):  # type: ignore[misc]  # kombu, us
     def close(self) -> None:
         super().close()  # kombu's QoS gives back what is unacknowledged
         self.consumed_from.clear()
+        if self._qos is not None:
+            self._qos.behind.clear()
+
+    def _brpop_start(self, timeout: float | None = None) -> Any:
+        if not self._ahead_only():
+            return super()._brpop_start(timeout)
+        with self._highest_priority_only():
+            return super()._brpop_start(AHEAD_ONLY_WAIT_S)
+
+    def _get(self, queue: str) -> Any:
+        if not self._ahead_only():
+            return super()._get(queue)
+        with self._highest_priority_only():
+            return super()._get(queue)
+
+    def _ahead_only(self) -> bool:
+        """Whether this consumer holds all the messages of a lower priority it may."""
+        return self.behind_at_most is not None and len(self.qos.behind) >= self.behind_at_most
+
+    @contextmanager
+    def _highest_priority_only(self) -> Iterator[None]:
+        """kombu's reads for the block name only the highest priority's list of a queue."""
+        steps = self.priority_steps
+        self.priority_steps = steps[:1]
+        try:
+            yield
+        finally:
+            self.priority_steps = steps
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         client = super()._create_client(asynchronous)

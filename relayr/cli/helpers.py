@@ -50,6 +50,20 @@ WORKER_STOP_MARGIN_S: Final = 15.0
 to stop before it is killed (its pool processes close their runtimes one after the other)."""
 
 
+def reserve_option(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``--reserve``: pool processes beside ``--concurrency`` that never run a backlog's
+    messages (``worker``, ``run``, ``demo``; ADR-0128)."""
+    return click.option(
+        "--reserve",
+        type=click.IntRange(min=0),
+        default=1,
+        show_default=True,
+        help="More pool processes, kept for a workspace's only message: a backlog's messages "
+        "fill at most --concurrency processes, so a quiet workspace's run does not wait for "
+        "them (Redis and the embedded broker).",
+    )(function)
+
+
 def concurrency_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--concurrency/-c``: how many pool processes a worker runs (``worker``, ``run``,
     ``demo``), at least one, two by default."""

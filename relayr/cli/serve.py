@@ -19,6 +19,7 @@ from relayr.cli.helpers import (
     concurrency_option,
     in_runtime,
     load_settings,
+    reserve_option,
 )
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ def metrics_port_option(help: str) -> Callable[[Callable[..., Any]], Callable[..
 
 @click.command()
 @concurrency_option("Pool processes: runs executed at once.")
+@reserve_option
 @click.option(
     "--loglevel",
     "-l",
@@ -67,14 +69,24 @@ def metrics_port_option(help: str) -> Callable[[Callable[..., Any]], Callable[..
 )
 @metrics_port_option("Serve Prometheus metrics of every pool process on this port.")
 def worker(
-    concurrency: int, loglevel: str, hostname: str, pool: str, metrics_port: int | None
+    concurrency: int,
+    reserve: int,
+    loglevel: str,
+    hostname: str,
+    pool: str,
+    metrics_port: int | None,
 ) -> None:
     """Run a Celery worker for relayr's run tasks (the queue is RELAYR_QUEUE)."""
     settings = load_settings(log_level=None, role=None)  # Celery's signals configure tracing
     check_worker_inputs(settings)
+    from relayr.broker.reserve import BEHIND_AT_MOST
     from tasks.app import create_celery
 
     app = create_celery(settings)
+    reserve = reserve if pool == "prefork" else 0  # a solo pool is one process
+    if reserve:
+        options = app.conf.broker_transport_options
+        app.conf.broker_transport_options = {**options, BEHIND_AT_MOST: concurrency}
     # before the pool forks, so every pool process writes where this process serves from
     server = serve_metrics(metrics_port, settings.home, "worker", per_process=True)
     try:
@@ -82,7 +94,7 @@ def worker(
             [
                 "worker",
                 f"--queues={settings.queue}",
-                f"--concurrency={concurrency}",
+                f"--concurrency={concurrency + reserve}",
                 f"--loglevel={loglevel.upper()}",
                 f"--hostname={hostname}",
                 f"--pool={pool}",
@@ -242,6 +254,7 @@ def dispatch(metrics_port: int | None, follow: bool) -> None:
 
 @click.command()
 @concurrency_option("The worker's pool processes.")
+@reserve_option
 @click.option(
     "--restart-delay",
     "restart_delay_s",
@@ -260,6 +273,7 @@ def dispatch(metrics_port: int | None, follow: bool) -> None:
 @follow_option
 def run(
     concurrency: int,
+    reserve: int,
     restart_delay_s: float | None,
     restart_delay_max_s: float | None,
     follow: bool,
@@ -291,7 +305,9 @@ def run(
     from relayr.observe.health import status_path
     from relayr.runtime.supervisor import RestartPolicy, WorkerSupervisor
 
-    worker_command = relayr_command("worker", "--concurrency", str(concurrency))
+    worker_command = relayr_command(
+        "worker", "--concurrency", str(concurrency), "--reserve", str(reserve)
+    )
     supervisor = WorkerSupervisor(
         lambda: RelayrProcess.start(worker_command, name="relayr worker"),
         status_path(settings.home),
