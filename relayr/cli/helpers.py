@@ -50,13 +50,17 @@ WORKER_STOP_MARGIN_S: Final = 15.0
 to stop before it is killed (its pool processes close their runtimes one after the other)."""
 
 
+DEFAULT_RESERVE: Final = 1
+"""A worker's pool processes beyond ``--concurrency`` that a backlog never fills (ADR-0128)."""
+
+
 def reserve_option(function: Callable[..., Any]) -> Callable[..., Any]:
     """``--reserve``: pool processes beside ``--concurrency`` that never run a backlog's
     messages (``worker``, ``run``, ``demo``; ADR-0128)."""
     return click.option(
         "--reserve",
         type=click.IntRange(min=0),
-        default=1,
+        default=DEFAULT_RESERVE,
         show_default=True,
         help="More pool processes, kept for a workspace's only message: a backlog's messages "
         "fill at most --concurrency processes, so a quiet workspace's run does not wait for "

@@ -9,6 +9,7 @@ numeric non-root user, and units as relayr. Files only: no service runs.
 import shlex
 from collections.abc import Sequence
 
+from relayr.cli.helpers import DEFAULT_RESERVE
 from relayr.settings import Settings
 from tasks.worker import CLOSE_MARGIN_S
 from tests.project.deploy_files import (
@@ -24,15 +25,18 @@ from tests.project.deploy_files import (
 )
 
 
-def required_grace_s(settings: Settings, concurrency: int) -> float:
+def required_grace_s(settings: Settings, processes: int) -> float:
     """How long a worker's warm shutdown may take: see deploy/k8s/worker.yaml."""
     soft_shutdown_s = settings.turn_grace_s
-    close_s = concurrency * (settings.turn_grace_s + CLOSE_MARGIN_S)
+    close_s = processes * (settings.turn_grace_s + CLOSE_MARGIN_S)
     return soft_shutdown_s + settings.time_limit_s + close_s
 
 
-def concurrency_of(argv: Sequence[str]) -> int:
-    return int(argv[argv.index("--concurrency") + 1])
+def processes_of(argv: Sequence[str]) -> int:
+    """The pool processes a ``relayr worker`` command runs: ``--concurrency`` and
+    ``--reserve``."""
+    reserve = int(argv[argv.index("--reserve") + 1]) if "--reserve" in argv else DEFAULT_RESERVE
+    return int(argv[argv.index("--concurrency") + 1]) + reserve
 
 
 def test_workers_are_given_time_to_stop_warm() -> None:
@@ -40,15 +44,15 @@ def test_workers_are_given_time_to_stop_warm() -> None:
     worker = deployments()["relayr-worker"]
     args = containers(worker)[0]["args"]
     grace = worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > required_grace_s(settings, concurrency_of(args))
+    assert grace > required_grace_s(settings, processes_of(args))
     service = relayr_services()["worker"]
     stop = service["stop_grace_period"]
     assert stop.endswith("s")
-    assert float(stop[:-1]) > required_grace_s(settings, concurrency_of(service["command"]))
+    assert float(stop[:-1]) > required_grace_s(settings, processes_of(service["command"]))
     path = DEPLOY / "systemd" / "relayr-worker.service"
     argv = shlex.split(unit_values(path, "Service", "ExecStart")[0])
     timeout = float(unit_values(path, "Service", "TimeoutStopSec")[0])
-    assert timeout > required_grace_s(settings, concurrency_of(argv))
+    assert timeout > required_grace_s(settings, processes_of(argv))
     assert unit_values(path, "Service", "KillMode") == ["mixed"]
 
 
