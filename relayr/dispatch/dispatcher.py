@@ -308,6 +308,7 @@ class Dispatcher:
         busy = {w for w in self._to_evaluate if w in self._backlogged or self._fair.waiting(w)}
         first = _first(self._to_evaluate, EVALUATION_BATCH, self._owns, unless=busy)
         fired = await self._evaluate(first)
+        await self._check_taken(first, self._monotonic())  # as beside a pass (_decide_fresh)
         early = await self._hand_out_fired(enqueue, fired, policy)
         handed_early = {_key(ref, run) for ref, run in fired} - set(self._fair)
 
@@ -601,6 +602,9 @@ class Dispatcher:
         next pass."""
         try:
             fired = await self._evaluate(fresh)
+            # their logs moved: a worker may have taken their last messages, and one counted
+            # waiting would send the new run behind a backlog's (ADR-0128)
+            await self._check_taken(fresh, self._monotonic())
         except Exception:
             logger.exception("deciding workspaces beside a pass failed; the next pass does")
             self._to_evaluate.update(dict.fromkeys(fresh))

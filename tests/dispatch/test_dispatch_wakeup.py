@@ -23,6 +23,7 @@ from reflexr.workspace import WorkspaceRef
 from relayr.core.run_messages import RunMessage
 from relayr.dispatch.changes import Changes
 from relayr.dispatch.dispatcher import EVALUATION_BATCH
+from relayr.execution.executor import execute_runs
 from relayr.settings import Settings
 from tests.dispatch.dispatch_harness import FAIR_OFF, RULES, Harness, Ping, opened
 
@@ -39,9 +40,8 @@ async def woken(database_url: str, tmp_path: Path, **settings: Any) -> AsyncIter
             home=tmp_path,
             database_url=database_url,
             turn_grace_s=0,
-            fair_messages=FAIR_OFF,
             dispatch_sweep_s=3600,
-            **settings,
+            **{"fair_messages": FAIR_OFF, **settings},
         ),
         RULES[:1],
     ) as harness:
@@ -286,6 +286,78 @@ async def test_a_workspace_whose_message_is_on_its_way_is_left_to_the_next_pass(
     first, second = [batch.run_ids for batch in queue.sent if batch.workspace_id == "busy"]
     runs = {run.id: run for run in await harness.rules.storage.runs(WorkspaceRef("acme", "busy"))}
     assert runs[first[0]].fired_seq < runs[second[0]].fired_seq  # the log's order
+
+
+async def test_a_workspace_whose_message_was_taken_goes_ahead_again_beside_a_pass(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Fairness on (two messages of a workspace in the broker at once): while a pass is held,
+    a quiet workspace's run goes out ahead, a worker takes it, and the workspace's next run,
+    decided beside the same pass, goes out ahead too: the dispatcher learns of the take from
+    the workspace's log, not from a pass that has not come (else it would count the first
+    message waiting, and send the next behind a backlog's)."""
+    stop = asyncio.Event()
+    gate = asyncio.Event()
+    holding = asyncio.Event()
+    quiet: list[RunMessage] = []
+    arrived = asyncio.Condition()
+
+    async def enqueue(batch: RunMessage) -> None:
+        if batch.workspace_id == "busy":
+            holding.set()
+            await gate.wait()
+        async with arrived:
+            quiet.append(batch)
+            arrived.notify_all()
+
+    async with woken(
+        database_url,
+        tmp_path,
+        dispatch_interval_s=3600,
+        dispatch_settle_s=0,
+        fair_messages=2,
+    ) as harness:
+        passes = Passes(harness.dispatcher)
+        serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
+        try:
+            async with asyncio.timeout(WAIT_S):
+                await passes.ended.wait()  # the first pass's sweep is over
+                await publish(harness, "busy")
+                await holding.wait()
+                for sent in (1, 2):
+                    await publish(harness, "quiet")
+                    async with arrived:
+                        await arrived.wait_for(lambda sent=sent: len(quiet) == sent)
+                    await execute_runs(harness.runtime, "acme", "quiet", quiet[-1].run_ids)
+            assert passes.count == 1  # the pass that took "busy" is still held
+        finally:
+            gate.set()
+            stop.set()
+            await serving
+    assert [(batch.workspace_id, batch.behind) for batch in quiet[:2]] == [
+        ("quiet", False),
+        ("quiet", False),
+    ]
+
+
+async def test_a_pass_learns_a_workspaces_message_was_taken_before_it_sends_the_next(
+    database_url: str, tmp_path: Path
+) -> None:
+    """The same within a pass: a change that says a worker took a workspace's message and one
+    that fired its next run, given to one pass, send that run ahead, not behind the first."""
+    workspace = ("acme", "quiet")
+    sent: list[RunMessage] = []
+
+    async def enqueue(batch: RunMessage) -> None:
+        sent.append(batch)
+
+    async with woken(database_url, tmp_path, fair_messages=2) as harness:
+        harness.depth = 1  # another workspace's message waits: the broker is not past this one
+        for _ in range(2):
+            await publish(harness, "quiet")
+            await harness.dispatcher.pass_once(enqueue, Changes(rules={workspace}))
+            await execute_runs(harness.runtime, *workspace, sent[-1].run_ids)
+    assert [batch.behind for batch in sent] == [False, False]
 
 
 @pytest.fixture
