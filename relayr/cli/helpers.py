@@ -56,7 +56,7 @@ DEFAULT_RESERVE: Final = 1
 
 def reserve_option(function: Callable[..., Any]) -> Callable[..., Any]:
     """``--reserve``: pool processes beside ``--concurrency`` that never run a backlog's
-    messages (``worker``, ``run``, ``demo``; ADR-0128)."""
+    messages (``worker``, ``run``; ADR-0128)."""
     return click.option(
         "--reserve",
         type=click.IntRange(min=0),
