@@ -47,6 +47,7 @@ from bench.stamps import (
     thread_of,
 )
 from bench.verdicts import Target, divided
+from relayr.cli.helpers import reserve_for
 
 P99_OVER_ALONE: Final = 2.0
 """The quiet workspace's p99 during a flood, over its p99 alone, at most."""
@@ -191,12 +192,13 @@ async def measure(
     floods: Sequence[int],
     quiet: int,
     interval_s: float,
-    processes: tuple[int, int],
+    processes: tuple[int, int | None],
 ) -> list[dict[str, Any]]:
     """Every phase on one ``relayr run`` of ``processes`` (its ``--concurrency`` and
     ``--reserve``), one after the other; their figures."""
     results = []
-    concurrency, reserve = processes
+    concurrency, given = processes
+    reserve = reserve_for(deployed.settings, given)
     async with Stores.opened(deployed.settings) as stores:
         deployed.start(
             "run", "--concurrency", str(concurrency), "--reserve", str(reserve), name="run"
@@ -274,7 +276,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--interval-s", type=float, default=1.0, help="between quiet events")
     parser.add_argument("--concurrency", type=int, default=2, help="the worker's processes")
     parser.add_argument(
-        "--reserve", type=int, default=1, help="the worker's processes kept for lone messages"
+        "--reserve",
+        type=int,
+        default=None,
+        help="the worker's processes kept for lone messages (default: relayr's, by database)",
     )
     parser.add_argument(
         "--storage", nargs="+", choices=sorted(STORAGES), default=["sqlite", "postgres"]
@@ -303,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings[name] = value
     if min(args.floods) < 1 or args.quiet < 1 or args.interval_s <= 0 or args.concurrency < 1:
         parser.error("--floods, --quiet and --concurrency must be at least 1, --interval-s above 0")
-    if args.reserve < 0:
+    if args.reserve is not None and args.reserve < 0:
         parser.error("--reserve must be at least 0")
     floods = sorted(set(args.floods))
     quiet_logging()

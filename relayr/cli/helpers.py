@@ -51,21 +51,29 @@ to stop before it is killed (its pool processes close their runtimes one after t
 
 
 DEFAULT_RESERVE: Final = 1
-"""A worker's pool processes beyond ``--concurrency`` that a backlog never fills (ADR-0128)."""
+"""A worker's pool processes beyond ``--concurrency`` that a backlog never fills (ADR-0128), on
+a database that takes several writers at once."""
 
 
 def reserve_option(function: Callable[..., Any]) -> Callable[..., Any]:
     """``--reserve``: pool processes beside ``--concurrency`` that never run a backlog's
-    messages (``worker``, ``run``; ADR-0128)."""
+    messages (``worker``, ``run``; ADR-0128); None when not given (:func:`reserve_for`)."""
     return click.option(
         "--reserve",
         type=click.IntRange(min=0),
-        default=DEFAULT_RESERVE,
-        show_default=True,
+        default=None,
         help="More pool processes, kept for a workspace's only message: a backlog's messages "
         "fill at most --concurrency processes, so a quiet workspace's run does not wait for "
-        "them (Redis and the embedded broker).",
+        "them (Redis and the embedded broker).  [default: 1; 0 on SQLite]",
     )(function)
+
+
+def reserve_for(settings: "Settings", reserve: int | None) -> int:
+    """``--reserve`` as given, else its default: :data:`DEFAULT_RESERVE`, and 0 on SQLite,
+    whose one writer a process more only waits for (ADR-0128)."""
+    if reserve is not None:
+        return reserve
+    return 0 if settings.database_url.startswith("sqlite") else DEFAULT_RESERVE
 
 
 def concurrency_option(help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

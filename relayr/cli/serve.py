@@ -19,6 +19,7 @@ from relayr.cli.helpers import (
     concurrency_option,
     in_runtime,
     load_settings,
+    reserve_for,
     reserve_option,
 )
 
@@ -70,7 +71,7 @@ def metrics_port_option(help: str) -> Callable[[Callable[..., Any]], Callable[..
 @metrics_port_option("Serve Prometheus metrics of every pool process on this port.")
 def worker(
     concurrency: int,
-    reserve: int,
+    reserve: int | None,
     loglevel: str,
     hostname: str,
     pool: str,
@@ -83,7 +84,7 @@ def worker(
     from tasks.app import create_celery
 
     app = create_celery(settings)
-    reserve = reserve if pool == "prefork" else 0  # a solo pool is one process
+    reserve = reserve_for(settings, reserve) if pool == "prefork" else 0  # solo: one process
     if reserve:
         options = app.conf.broker_transport_options
         app.conf.broker_transport_options = {**options, BEHIND_AT_MOST: concurrency}
@@ -273,7 +274,7 @@ def dispatch(metrics_port: int | None, follow: bool) -> None:
 @follow_option
 def run(
     concurrency: int,
-    reserve: int,
+    reserve: int | None,
     restart_delay_s: float | None,
     restart_delay_max_s: float | None,
     follow: bool,
@@ -306,7 +307,11 @@ def run(
     from relayr.runtime.supervisor import RestartPolicy, WorkerSupervisor
 
     worker_command = relayr_command(
-        "worker", "--concurrency", str(concurrency), "--reserve", str(reserve)
+        "worker",
+        "--concurrency",
+        str(concurrency),
+        "--reserve",
+        str(reserve_for(settings, reserve)),
     )
     supervisor = WorkerSupervisor(
         lambda: RelayrProcess.start(worker_command, name="relayr worker"),

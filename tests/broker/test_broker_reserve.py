@@ -2,9 +2,10 @@
 
 Through kombu's own API on both transports, a consumer given ``behind_at_most`` holds at most
 that many messages of a lower priority and still takes one of the highest; then a real
-``relayr worker --concurrency 1`` (its one reserve process by default) runs a workspace's only
-message while its one other process holds a backlog's message, held on a gate
-(:mod:`tests.broker.broker_app`), and leaves the backlog's next message in the queue (ADR-0128).
+``relayr worker --concurrency 1 --reserve 1`` runs a workspace's only message while its one
+other process holds a backlog's message, held on a gate (:mod:`tests.broker.broker_app`), and
+leaves the backlog's next message in the queue. A worker keeps no reserve by default on SQLite
+(ADR-0128).
 """
 
 import asyncio
@@ -22,6 +23,7 @@ from reflexr import SourceActor
 
 from relayr.broker import FILESYSTEM_TRANSPORT, REDIS_TRANSPORT, queue_depth
 from relayr.broker.reserve import BEHIND_AT_MOST
+from relayr.cli.helpers import DEFAULT_RESERVE, reserve_for
 from relayr.cli.processes import RelayrProcess, relayr_command
 from relayr.core.run_messages import RunMessage
 from relayr.dispatch.evaluation import evaluate_all
@@ -102,6 +104,15 @@ def test_a_consumer_holding_its_backlog_messages_takes_only_the_highest_priority
             message.ack()
 
 
+def test_a_worker_keeps_a_reserve_by_default_except_on_sqlite(tmp_path: Path) -> None:
+    on_sqlite = Settings(home=tmp_path)
+    on_postgres = Settings(home=tmp_path, database_url="postgresql+asyncpg://relayr@db/relayr")
+    assert reserve_for(on_sqlite, None) == 0
+    assert reserve_for(on_postgres, None) == DEFAULT_RESERVE == 1
+    assert reserve_for(on_sqlite, 2) == 2
+    assert reserve_for(on_postgres, 0) == 0
+
+
 async def gated_run(settings: Settings) -> str:
     """The gated rule's run, made (due, not sent): its action waits on the gate."""
     runtime = await Runtime.start(settings, role="dispatcher")
@@ -148,7 +159,9 @@ def test_a_workspaces_only_message_runs_while_a_backlog_holds_every_other_proces
     backlog, alone = "fir_0000000000000001", "fir_0000000000000002"  # no such runs: quick
     app = create_celery(settings)
     worker = RelayrProcess.start(
-        relayr_command("worker", "--concurrency", "1", "--hostname", f"{queue}@%h"),
+        relayr_command(
+            "worker", "--concurrency", "1", "--reserve", "1", "--hostname", f"{queue}@%h"
+        ),
         name="relayr worker",
         environment=environment,
         cwd=REPO,
