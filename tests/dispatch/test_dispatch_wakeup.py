@@ -11,8 +11,9 @@ workspace's change passes at once.
 
 import asyncio
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -202,23 +203,32 @@ async def held(database_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
         yield harness
 
 
-async def test_a_new_event_is_decided_while_a_pass_under_way_is_held(held: Harness) -> None:
-    """A pass is held handing out one workspace's run (its broker does not answer); an event
-    of another workspace, published meanwhile, is decided and its run handed out before the
-    held pass ends: a pass under way does not hold a workspace that has nothing waiting."""
-    harness = held
+@dataclass
+class Held:
+    """A pass held handing out workspace ``busy``'s run (:func:`busy_held`): its counter, and
+    the gate that lets the run go."""
+
+    passes: Passes
+    gate: asyncio.Event
+
+
+@asynccontextmanager
+async def busy_held(
+    harness: Harness, enqueued: Callable[[RunMessage], Awaitable[None]]
+) -> AsyncIterator[Held]:
+    """``serve`` for the block, its enqueue held on a gate for workspace ``busy`` (the broker
+    does not answer) and passing every other message, and busy's once the gate opens, to
+    ``enqueued``. Entered once the first pass's sweep is over and busy's run is held; the gate
+    opens and ``serve`` stops when the block ends."""
     stop = asyncio.Event()
-    queue = Queue()
     gate = asyncio.Event()
     holding = asyncio.Event()
-    arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
     async def enqueue(batch: RunMessage) -> None:
         if batch.workspace_id == "busy":
             holding.set()
             await gate.wait()
-        await queue.enqueue(batch)
-        arrived[batch.workspace_id].set()
+        await enqueued(batch)
 
     passes = Passes(harness.dispatcher)
     serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
@@ -227,17 +237,34 @@ async def test_a_new_event_is_decided_while_a_pass_under_way_is_held(held: Harne
             await passes.ended.wait()  # the first pass's sweep is over
             await publish(harness, "busy")
             await holding.wait()
-            await publish(harness, "quiet")
-            await arrived["quiet"].wait()
-        assert "busy" not in queue.workspaces()
-        assert passes.count == 1  # the pass that took "busy" is still held
-        gate.set()
-        async with asyncio.timeout(WAIT_S):
-            await arrived["busy"].wait()
+        yield Held(passes, gate)
     finally:
         gate.set()
         stop.set()
         await serving
+
+
+async def test_a_new_event_is_decided_while_a_pass_under_way_is_held(held: Harness) -> None:
+    """A pass is held handing out one workspace's run (its broker does not answer); an event
+    of another workspace, published meanwhile, is decided and its run handed out before the
+    held pass ends: a pass under way does not hold a workspace that has nothing waiting."""
+    harness = held
+    queue = Queue()
+    arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def enqueued(batch: RunMessage) -> None:
+        await queue.enqueue(batch)
+        arrived[batch.workspace_id].set()
+
+    async with busy_held(harness, enqueued) as busy:
+        async with asyncio.timeout(WAIT_S):
+            await publish(harness, "quiet")
+            await arrived["quiet"].wait()
+        assert "busy" not in queue.workspaces()
+        assert busy.passes.count == 1  # the pass that took "busy" is still held
+        busy.gate.set()
+        async with asyncio.timeout(WAIT_S):
+            await arrived["busy"].wait()
     assert sorted(batch.workspace_id for batch in queue.sent) == ["busy", "quiet"]
 
 
@@ -248,41 +275,26 @@ async def test_a_workspace_whose_message_is_on_its_way_is_left_to_the_next_pass(
     decided beside the pass (its run's message would overtake the one on its way); another
     workspace's is. The held workspace's next run goes out in the next pass, after the first."""
     harness = held
-    stop = asyncio.Event()
     queue = Queue()
-    gate = asyncio.Event()
-    holding = asyncio.Event()
     quiet = asyncio.Event()
     both = asyncio.Event()
 
-    async def enqueue(batch: RunMessage) -> None:
-        if batch.workspace_id == "busy":
-            holding.set()
-            await gate.wait()
+    async def enqueued(batch: RunMessage) -> None:
         await queue.enqueue(batch)
         if batch.workspace_id == "quiet":
             quiet.set()
         if [b.workspace_id for b in queue.sent].count("busy") == 2:
             both.set()
 
-    passes = Passes(harness.dispatcher)
-    serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
-    try:
+    async with busy_held(harness, enqueued) as busy:
         async with asyncio.timeout(WAIT_S):
-            await passes.ended.wait()  # the first pass's sweep is over
-            await publish(harness, "busy")
-            await holding.wait()
             await publish(harness, "busy")
             await publish(harness, "quiet")
             await quiet.wait()
         assert [batch.workspace_id for batch in queue.sent] == ["quiet"]
-        gate.set()
+        busy.gate.set()
         async with asyncio.timeout(WAIT_S):
             await both.wait()
-    finally:
-        gate.set()
-        stop.set()
-        await serving
     first, second = [batch.run_ids for batch in queue.sent if batch.workspace_id == "busy"]
     runs = {run.id: run for run in await harness.rules.storage.runs(WorkspaceRef("acme", "busy"))}
     assert runs[first[0]].fired_seq < runs[second[0]].fired_seq  # the log's order
@@ -296,44 +308,31 @@ async def test_a_workspace_whose_message_was_taken_goes_ahead_again_beside_a_pas
     decided beside the same pass, goes out ahead too: the dispatcher learns of the take from
     the workspace's log, not from a pass that has not come (else it would count the first
     message waiting, and send the next behind a backlog's)."""
-    stop = asyncio.Event()
-    gate = asyncio.Event()
-    holding = asyncio.Event()
     quiet: list[RunMessage] = []
     arrived = asyncio.Condition()
 
-    async def enqueue(batch: RunMessage) -> None:
-        if batch.workspace_id == "busy":
-            holding.set()
-            await gate.wait()
+    async def enqueued(batch: RunMessage) -> None:
         async with arrived:
             quiet.append(batch)
             arrived.notify_all()
 
-    async with woken(
-        database_url,
-        tmp_path,
-        dispatch_interval_s=3600,
-        dispatch_settle_s=0,
-        fair_messages=2,
-    ) as harness:
-        passes = Passes(harness.dispatcher)
-        serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
-        try:
-            async with asyncio.timeout(WAIT_S):
-                await passes.ended.wait()  # the first pass's sweep is over
-                await publish(harness, "busy")
-                await holding.wait()
-                for sent in (1, 2):
-                    await publish(harness, "quiet")
-                    async with arrived:
-                        await arrived.wait_for(lambda sent=sent: len(quiet) == sent)
-                    await execute_runs(harness.runtime, "acme", "quiet", quiet[-1].run_ids)
-            assert passes.count == 1  # the pass that took "busy" is still held
-        finally:
-            gate.set()
-            stop.set()
-            await serving
+    async with (
+        woken(
+            database_url,
+            tmp_path,
+            dispatch_interval_s=3600,
+            dispatch_settle_s=0,
+            fair_messages=2,
+        ) as harness,
+        busy_held(harness, enqueued) as busy,
+    ):
+        async with asyncio.timeout(WAIT_S):
+            for sent in (1, 2):
+                await publish(harness, "quiet")
+                async with arrived:
+                    await arrived.wait_for(lambda sent=sent: len(quiet) == sent)
+                await execute_runs(harness.runtime, "acme", "quiet", quiet[-1].run_ids)
+        assert busy.passes.count == 1  # the pass that took "busy" is still held
     assert [(batch.workspace_id, batch.behind) for batch in quiet[:2]] == [
         ("quiet", False),
         ("quiet", False),
