@@ -25,7 +25,7 @@ from relayr.core.errors import InvalidTask
 from relayr.observe import hooks
 from relayr.observe.hooks import TurnsDrained
 from relayr.observe.logging import configure_logging
-from relayr.runtime.process import Runtime
+from relayr.runtime.process import Runtime, freeze_start_up
 from relayr.settings import Settings
 
 logger = structlog.get_logger("relayr.worker")
@@ -91,6 +91,13 @@ class EventLoopThread:
             self.loop.close()
 
 
+async def _started(settings: Settings) -> Runtime:
+    """This process's runtime, started, with what starting made frozen (ADR-0129)."""
+    runtime = await Runtime.start(settings, role="worker")
+    freeze_start_up("worker")
+    return runtime
+
+
 async def _cancel_all() -> None:
     current = asyncio.current_task()
     pending = [task for task in asyncio.all_tasks() if task is not current]
@@ -128,7 +135,7 @@ class PoolProcess:
             self._pid = os.getpid()
             self._loop = EventLoopThread()
             self._loop.start()
-            self._runtime = self._loop.submit(Runtime.start(self.settings, role="worker"))
+            self._runtime = self._loop.submit(_started(self.settings))
             logger.info("worker process started", pid=self._pid)
 
     def runtime(self, *, timeout_s: float | None = None) -> Runtime:
@@ -140,9 +147,7 @@ class PoolProcess:
             starting = self._runtime
             if starting.done() and starting.exception() is not None:
                 assert self.settings is not None
-                starting = self._runtime = self._loop.submit(
-                    Runtime.start(self.settings, role="worker")
-                )
+                starting = self._runtime = self._loop.submit(_started(self.settings))
         return starting.result(timeout_s)
 
     def call[T](self, coroutine: Coroutine[Any, Any, T]) -> T:
@@ -224,6 +229,12 @@ def _worker_init(**_: object) -> None:
     _traced(lazy=True)
 
 
+def _after_setup(**_: object) -> None:
+    # the main process, its logging set up, before the pool forks: the pool's processes share
+    # these pages and never walk these objects
+    freeze_start_up("worker main")
+
+
 def _process_init(**_: object) -> None:
     _traced(lazy=False)
     process.start()
@@ -242,6 +253,7 @@ def _worker_shutdown(**_: object) -> None:
 
 signals.setup_logging.connect(_setup_logging, weak=False)
 signals.worker_init.connect(_worker_init, weak=False)
+signals.celeryd_after_setup.connect(_after_setup, weak=False)
 signals.worker_process_init.connect(_process_init, weak=False)
 signals.worker_process_shutdown.connect(_process_shutdown, weak=False)
 signals.worker_shutdown.connect(_worker_shutdown, weak=False)

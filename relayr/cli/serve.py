@@ -241,6 +241,9 @@ def dispatch(metrics_port: int | None, follow: bool) -> None:
     async def work(runtime: "Runtime") -> None:
         import asyncio
 
+        from relayr.runtime.process import freeze_start_up
+
+        freeze_start_up("dispatcher")
         stop = asyncio.Event()
         stop_on_signals(stop)
         await serve_dispatcher(runtime, stop, follow=follow)
@@ -325,6 +328,9 @@ def run(
         async def work(runtime: "Runtime") -> str:
             import asyncio
 
+            from relayr.runtime.process import freeze_start_up
+
+            freeze_start_up("dispatcher")
             stop = asyncio.Event()
             stop_on_signals(stop)
             dispatcher = asyncio.create_task(serve_dispatcher(runtime, stop, follow=follow))

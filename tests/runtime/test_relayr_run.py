@@ -1,4 +1,5 @@
-"""``relayr run`` end to end: its worker killed comes back, and a worker unable to start stops it.
+"""``relayr run`` end to end: its worker killed comes back, a worker unable to start stops it,
+and its dispatcher and worker processes freeze what they started with.
 
 The tests start ``relayr run`` as a person would, SIGKILL its worker subprocess (found by the
 pid the supervisor's status file names), and drive it with ``relayr health``, ``relayr publish``
@@ -181,6 +182,35 @@ def test_a_killed_worker_comes_back_and_health_said_it_was_down(
     ]
     starts = [(e["pid"], e["restarts"]) for e in lines if e["event"] == "worker started"]
     assert starts == [(killed, 0), (restarted, 1)]
+
+
+FROZEN_AT_LEAST = 50_000
+"""Objects a process that froze after it started holds out of the collector's sight, at least:
+its modules, application and engines come to some 200,000; a bare interpreter to a few
+thousand."""
+
+
+@pytest.mark.worker
+def test_the_dispatcher_and_the_workers_processes_freeze_what_they_started_with(
+    environment: dict[str, str], relayr_run: Callable[..., RelayrProcess]
+) -> None:
+    run = relayr_run()
+
+    def frozen() -> dict[str, dict[str, Any]] | None:
+        found = {
+            line["role"]: line
+            for line in log_lines(environment)
+            if line["event"] == "start-up objects frozen"
+        }
+        return found if {"dispatcher", "worker main", "worker"} <= found.keys() else None
+
+    found = wait_for(frozen, "the dispatcher and the worker's processes to freeze their start-up")
+    assert found["dispatcher"]["pid"] == run.pid
+    assert len({found[role]["pid"] for role in found}) == 3  # the worker's, and its pool's
+    for role in found:
+        assert found[role]["objects"] >= FROZEN_AT_LEAST, found[role]
+    run.signal(signal.SIGINT)
+    assert run.wait(60) == 0
 
 
 @pytest.mark.worker
