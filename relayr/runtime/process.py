@@ -41,18 +41,18 @@ WORKSPACE_PAGE = 100
 logger = structlog.get_logger("relayr.runtime")
 
 
-def freeze_start_up(role: Role | Literal["worker main"]) -> int:
+def freeze_start_up(role: Role | Literal["worker main"]) -> None:
     """Take what a long-running process has made so far (its modules, application, engines) out
-    of the cyclic garbage collector's sight, once it has started (ADR-0129), and say how many
+    of the cyclic garbage collector's sight, once it has started (ADR-0129), and log how many
     objects that is. A full collection then walks only what the process made since: without
     this it held a dispatcher's loop, or a run's task, for 100 to 240 ms every few seconds
     under load. What starting left as garbage is collected first; the objects frozen are
     never collected, so call this once, from a process's own entry point, not from a test's."""
     gc.collect()
     gc.freeze()
-    frozen = gc.get_freeze_count()
-    logger.info("start-up objects frozen", role=role, pid=os.getpid(), objects=frozen)
-    return frozen
+    logger.info(
+        "start-up objects frozen", role=role, pid=os.getpid(), objects=gc.get_freeze_count()
+    )
 
 
 def new_holder(role: Role) -> str:
