@@ -8,6 +8,7 @@ process's one loop. Every command module imports this one, so it imports click a
 errors only (ADR-0050).
 """
 
+import contextlib
 import json
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn
@@ -18,6 +19,8 @@ from relayr.core import parsing
 from relayr.core.errors import InvalidAllowlist, InvalidApplication, InvalidSettings, RelayrError
 
 if TYPE_CHECKING:
+    import socket
+
     from relayr.runtime.process import Role, Runtime
     from relayr.settings import Settings
 
@@ -187,9 +190,45 @@ def run_async[T](main: Coroutine[Any, Any, T]) -> T:
     import asyncio
 
     try:
-        return asyncio.run(main)
+        return asyncio.run(_woken_by_signals(main))
     except REFUSED_INPUTS as error:
         raise BadInput(error.message) from None
+
+
+async def _woken_by_signals[T](main: Coroutine[Any, Any, T]) -> T:
+    """Await ``main`` on a loop that wakes for every signal, whichever thread gets it.
+
+    Python runs a signal's handler (``asyncio.run``'s Ctrl-C, which cancels ``main``) only in
+    the main thread, and the kernel may hand the signal to another one (a thread blocked reading
+    a terminal, the database driver's): a loop asleep with no timer would never run it. A byte
+    written to a socket the loop watches (``signal.set_wakeup_fd``) wakes it.
+    """
+    import asyncio
+    import signal
+    import socket
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return await main  # only the main thread can set the wakeup fd, or run handlers
+    loop = asyncio.get_running_loop()
+    woken, waker = socket.socketpair()
+    with woken, waker:
+        woken.setblocking(False)
+        waker.setblocking(False)
+        loop.add_reader(woken.fileno(), _drain, woken)
+        previous = signal.set_wakeup_fd(waker.fileno(), warn_on_full_buffer=False)
+        try:
+            return await main
+        finally:
+            signal.set_wakeup_fd(previous)
+            loop.remove_reader(woken.fileno())
+
+
+def _drain(woken: "socket.socket") -> None:
+    """Read the bytes a signal wrote: the loop woke, and the handler runs."""
+    with contextlib.suppress(BlockingIOError):
+        while woken.recv(256):
+            pass
 
 
 def in_runtime[T](

@@ -6,6 +6,8 @@ after the first chunk would show as events written.
 """
 
 import asyncio
+import contextlib
+import ctypes
 import json
 import os
 import pty
@@ -368,6 +370,40 @@ def test_ctrl_c_stops_a_stream_read_from_a_terminal_and_says_what_was_published(
 ) -> None:
     """A stream whose input is a terminal, waiting for the next line, stops on Ctrl-C (SIGINT)
     at once, exit 130, saying which lines were published."""
+    with stream_from_a_terminal(environment) as process:
+        process.send_signal(signal.SIGINT)
+        assert_stopped_after_line_1(process)
+
+
+@pytest.mark.process
+def test_ctrl_c_stops_a_stream_whichever_of_its_threads_the_kernel_hands_it_to(
+    environment: dict[str, str],
+) -> None:
+    """The kernel may hand a process's SIGINT to any of its threads: the one blocked reading
+    the terminal, the database driver's. Python runs the handler only in the main thread,
+    which then sleeps in the loop with nothing to wake it; the stream stops at once all the
+    same. Each thread but the main one gets the signal, in a stream of its own."""
+    threads = None
+    index = 0
+    while threads is None or index < threads:
+        with stream_from_a_terminal(environment) as process:
+            others = sorted(int(task) for task in os.listdir(f"/proc/{process.pid}/task"))
+            others.remove(process.pid)
+            threads = len(others) if threads is None else threads
+            assert threads >= 1
+            assert _LIBC.tgkill(process.pid, others[index], signal.SIGINT) == 0
+            assert_stopped_after_line_1(process)
+        index += 1
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+"""The C library, for ``tgkill``: a signal to one thread of another process."""
+
+
+@contextlib.contextmanager
+def stream_from_a_terminal(environment: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """A ``relayr publish --stream`` whose input is a terminal, once it has published line 1
+    and waits for the next; killed after the block."""
     command = relayr_command(
         "publish", "acme/ops", "deploy:finished", "--data-file", "-", "--stream"
     )
@@ -392,11 +428,14 @@ def test_ctrl_c_stops_a_stream_read_from_a_terminal_and_says_what_was_published(
             os.write(terminal, (json.dumps(deploy(1)) + "\n").encode())
             printed = reader.submit(process.stdout.readline).result(STREAM_LINE_S)
             assert printed.startswith("line 1: published deploy:finished ")
-            process.send_signal(signal.SIGINT)
-            assert process.wait(STREAM_LINE_S) == 130
-            assert process.stderr.read().strip() == (
-                "Stopped: the events of lines 1-1 were published"
-            )
+            yield process
         finally:
             process.kill()
             os.close(terminal)
+
+
+def assert_stopped_after_line_1(process: subprocess.Popen[str]) -> None:
+    """The stream ended as Ctrl-C ends it: exit 130, saying line 1 was published."""
+    assert process.wait(STREAM_LINE_S) == 130
+    assert process.stderr is not None
+    assert process.stderr.read().strip() == "Stopped: the events of lines 1-1 were published"
