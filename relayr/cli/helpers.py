@@ -220,7 +220,9 @@ async def _woken_by_signals[T](main: Coroutine[Any, Any, T]) -> T:
         try:
             return await main
         finally:
-            signal.set_wakeup_fd(previous)
+            replaced = signal.set_wakeup_fd(previous)
+            if replaced != waker.fileno():  # the loop's own signal handlers took it over
+                signal.set_wakeup_fd(replaced)
             loop.remove_reader(woken.fileno())
 
 
