@@ -408,8 +408,8 @@ def stream_from_a_terminal(environment: dict[str, str]) -> Iterator[subprocess.P
         "publish", "acme/ops", "deploy:finished", "--data-file", "-", "--stream"
     )
     terminal, its_end = pty.openpty()
-    with (
-        subprocess.Popen(
+    with sigint_neither_blocked_nor_ignored():
+        process = subprocess.Popen(
             command,
             cwd=REPO,
             env=environment,
@@ -417,9 +417,8 @@ def stream_from_a_terminal(environment: dict[str, str]) -> Iterator[subprocess.P
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        ) as process,
-        ThreadPoolExecutor(1) as reader,
-    ):
+        )
+    with process, ThreadPoolExecutor(1) as reader:
         os.close(its_end)
         assert process.stdout is not None
         assert process.stderr is not None
@@ -434,8 +433,31 @@ def stream_from_a_terminal(environment: dict[str, str]) -> Iterator[subprocess.P
             os.close(terminal)
 
 
+@contextlib.contextmanager
+def sigint_neither_blocked_nor_ignored() -> Iterator[None]:
+    """SIGINT delivered to this thread, and not ignored, while a child starts, as a shell in a
+    terminal starts a command: a child inherits a blocked or ignored signal, and something
+    earlier in the test process may have left either."""
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def assert_stopped_after_line_1(process: subprocess.Popen[str]) -> None:
     """The stream ended as Ctrl-C ends it: exit 130, saying line 1 was published."""
-    assert process.wait(STREAM_LINE_S) == 130
+    try:
+        process.wait(STREAM_LINE_S)
+    except subprocess.TimeoutExpired:
+        status = Path(f"/proc/{process.pid}/status").read_text().splitlines()
+        signals = [line for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
+        pytest.fail(f"still running {STREAM_LINE_S} s after SIGINT; its signals: {signals}")
+    assert process.returncode == 130
     assert process.stderr is not None
     assert process.stderr.read().strip() == "Stopped: the events of lines 1-1 were published"
