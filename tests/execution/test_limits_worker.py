@@ -472,12 +472,19 @@ async def tokens_scenario(environment: dict[str, str]) -> None:
                 # its last found them under, and the last spent them (unless none was left)
                 assert sum(hours[:-1]) < TOKEN_BUDGET
                 assert done == incidents or sum(hours) >= TOKEN_BUDGET
-                [tokens] = [
-                    use
-                    for use in await asyncio.to_thread(relayr_here, environment, "limits")
-                    if use["kind"] == "tokens_per"
-                ]
-                assert tokens["used"] == sum(hours)  # what the turns' usage says they spent
+
+                async def counted(spent: int = sum(hours)) -> bool:
+                    """``relayr limits`` says the hour used what its turns' usage says they
+                    spent: the follower counts a turn's tokens once it follows the turn's end,
+                    which may come after its run succeeded."""
+                    [tokens] = [
+                        use
+                        for use in await asyncio.to_thread(relayr_here, environment, "limits")
+                        if use["kind"] == "tokens_per"
+                    ]
+                    return bool(tokens["used"] == spent)
+
+                await until(f"hour {hour}'s {sum(hours)} tokens counted", counted, dispatcher)
                 if done == incidents:
                     break
                 set_clock(settings.home, T0 + timedelta(hours=hour + 1))
