@@ -383,14 +383,13 @@ def test_ctrl_c_stops_a_stream_whichever_of_its_threads_the_kernel_hands_it_to(
     the terminal, the database driver's. Python runs the handler only in the main thread,
     which then sleeps in the loop with nothing to wake it; the stream stops at once all the
     same. Each thread but the main one gets the signal, in a stream of its own."""
-    threads = None
-    index = 0
-    while threads is None or index < threads:
+    index, threads = 0, 1
+    while index < threads:
         with stream_from_a_terminal(environment) as process:
             others = sorted(int(task) for task in os.listdir(f"/proc/{process.pid}/task"))
             others.remove(process.pid)
-            threads = len(others) if threads is None else threads
-            assert threads >= 1
+            threads = len(others)
+            assert index < threads, others
             assert _LIBC.tgkill(process.pid, others[index], signal.SIGINT) == 0
             assert_stopped_after_line_1(process)
         index += 1
