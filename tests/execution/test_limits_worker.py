@@ -484,7 +484,9 @@ async def tokens_scenario(environment: dict[str, str]) -> None:
                     ]
                     return bool(tokens["used"] == spent)
 
-                await until(f"hour {hour}'s {sum(hours)} tokens counted", counted, dispatcher)
+                await until(
+                    f"hour {hour}'s {sum(hours)} tokens counted", counted, *workers, dispatcher
+                )
                 if done == incidents:
                     break
                 set_clock(settings.home, T0 + timedelta(hours=hour + 1))
