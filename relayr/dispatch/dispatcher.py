@@ -95,6 +95,12 @@ five times the envelopes, and a workspace that moves meanwhile waits for one tra
 these at most, as it would for one of :data:`~relayr.dispatch.evaluation.BATCH_ENVELOPES`
 of each of several backlogs."""
 
+ONE_WRITER_PAUSE_S: Final = 0.1
+"""On a store that lets one process write at a time (SQLite), the least pause between two passes
+that each evaluate a transaction of a backlog: SQLite's busy handler sleeps up to 100 ms
+between a waiting writer's tries, so a pause this long lets every waiting worker in before the
+backlog's next transaction (ADR-0131). A longer transaction is followed by a pause as long."""
+
 logger = structlog.get_logger("relayr.dispatch")
 
 
@@ -279,6 +285,12 @@ class Dispatcher:
         self._enqueuing: set[_RunKey] = set()
         """Runs whose message is being handed to the queue, not yet recorded sent."""
         self._limits_read_at: float | None = None
+        engines = application.engines
+        self._one_writer = bool(engines) and engines[0].dialect.name == "sqlite"
+        """Whether the store lets one process write at a time: a backlog's evaluation then
+        pauses between its transactions so workers get the lock (ADR-0131)."""
+        self._backlog_took_s = 0.0
+        """How long the last pass's evaluation of backlogs and changed workspaces took."""
 
     @property
     def behind(self) -> bool:
@@ -339,10 +351,12 @@ class Dispatcher:
         limit = EVALUATION_BATCH - len(first) - len(chosen)
         chosen += _first(self._backlogged, limit, self._owns, unless=done_first)
         lone = len(chosen) == 1 and not (self._to_evaluate or self._backlogged or first)
+        evaluating = time.perf_counter()
         fired += await self._evaluate(
             chosen, batch=LONE_BATCH_ENVELOPES if lone else BATCH_ENVELOPES
         )
         decided = time.perf_counter()
+        self._backlog_took_s = decided - evaluating
         if sweep:  # a sweep learns of every message taken, as a change would
             await self._check_taken({m.workspace for m in self._sent.messages.values()}, now)
         elif changes is not None:
@@ -547,20 +561,23 @@ class Dispatcher:
                     took_s = round(self._monotonic() - catching_up.since, 1)
                     logger.info("dispatcher caught up", passes=catching_up.passes, took_s=took_s)
                     catching_up = None
-            if more:
+            if more and self._one_writer and self._backlogged:
+                pause_s = max(ONE_WRITER_PAUSE_S, self._backlog_took_s)
+                await self._deciding_fresh(asyncio.sleep(pause_s), enqueue, feed, settling)
+            elif more:
                 await asyncio.sleep(0)
 
-    async def _deciding_fresh(
+    async def _deciding_fresh[T](
         self,
-        passing: Awaitable[DispatchPass],
+        passing: Awaitable[T],
         enqueue: Enqueue,
         feed: ChangeFeed,
         settling: "_Settling",
-    ) -> DispatchPass:
-        """Await a pass; meanwhile decide at once each workspace whose log moves and that is
-        fresh (:meth:`_fresh`), so a new event does not wait for the rest of a pass under way,
-        a backlog's long transaction among it (ADR-0127). What is not fresh is held for the
-        next pass, as before."""
+    ) -> T:
+        """Await a pass (or a pause between two); meanwhile decide at once each workspace whose
+        log moves and that is fresh (:meth:`_fresh`), so a new event does not wait for the rest
+        of a pass under way, a backlog's long transaction among it (ADR-0127). What is not
+        fresh is held for the next pass, as before."""
         task = asyncio.ensure_future(passing)
         try:
             while not task.done():

@@ -6,10 +6,12 @@ evaluation transactions are counted on the real storage); a timed pass with noth
 touches none; a burst across more workspaces than a pass evaluates is decided over the next
 passes; and ``serve``, whose sweep is an hour away, still enqueues an event's run: the feed woke
 it. A workspace just decided settles, its further changes decided together, while another
-workspace's change passes at once.
+workspace's change passes at once. On SQLite a backlog pauses between its transactions.
 """
 
 import asyncio
+import itertools
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -22,8 +24,10 @@ from reflexr import SourceActor
 from reflexr.workspace import WorkspaceRef
 
 from relayr.core.run_messages import RunMessage
+from relayr.dispatch import dispatcher as dispatcher_module
 from relayr.dispatch.changes import Changes
-from relayr.dispatch.dispatcher import EVALUATION_BATCH
+from relayr.dispatch.dispatcher import EVALUATION_BATCH, LONE_BATCH_ENVELOPES, ONE_WRITER_PAUSE_S
+from relayr.dispatch.evaluation import BATCH_ENVELOPES
 from relayr.execution.executor import execute_runs
 from relayr.settings import Settings
 from tests.dispatch.dispatch_harness import FAIR_OFF, RULES, Harness, Ping, opened
@@ -416,3 +420,49 @@ async def test_a_workspace_just_decided_settles_while_another_passes_at_once(
     # busy's two events in one pass, with what the passes' own commits moved meanwhile
     assert passes[decided] >= {"busy"}
     assert len(passes) == decided + 1
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_on_sqlite_a_backlog_pauses_between_its_transactions_for_the_workers(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite lets one process write at a time, and a worker waiting for the lock sleeps up to
+    100 ms between tries: ``serve`` leaves ONE_WRITER_PAUSE_S at least between a backlog's
+    evaluation transactions, so the workers get the lock between them; every run still goes
+    out once."""
+    flood = BATCH_ENVELOPES + LONE_BATCH_ENVELOPES + 1
+    spans: list[tuple[float, float]] = []
+    evaluate_each = dispatcher_module.evaluate_each
+
+    async def timed(rules: Any, refs: list[WorkspaceRef], **options: Any) -> Any:
+        began = time.monotonic()
+        evaluated = await evaluate_each(rules, refs, **options)
+        if any(ref.workspace_id == "flood" for ref in refs):
+            spans.append((began, time.monotonic()))
+        return evaluated
+
+    monkeypatch.setattr(dispatcher_module, "evaluate_each", timed)
+    async with woken(
+        database_url, tmp_path, dispatch_interval_s=3600, dispatch_settle_s=0
+    ) as harness:
+        await publish(harness, "flood", flood)
+        stop = asyncio.Event()
+        queue = Queue()
+
+        async def enqueue(batch: RunMessage) -> None:
+            await queue.enqueue(batch)
+            if sum(len(sent.run_ids) for sent in queue.sent) >= flood:
+                stop.set()
+
+        serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
+        try:
+            await asyncio.wait_for(asyncio.shield(serving), WAIT_S)
+        finally:
+            stop.set()
+            await serving
+
+    handed = [run_id for sent in queue.sent for run_id in sent.run_ids]
+    assert len(handed) == len(set(handed)) == flood
+    assert len(spans) >= 2  # a transaction reads LONE_BATCH_ENVELOPES envelopes at most
+    gaps = [began - ended for (_, ended), (began, _) in itertools.pairwise(spans)]
+    assert min(gaps) >= ONE_WRITER_PAUSE_S, gaps
