@@ -141,7 +141,7 @@ class ChangeFeed(ABC):
 
     async def wait(self, timeout_s: float) -> None:
         """Return when something gathered, or after ``timeout_s``."""
-        await _set_within(self._woken, timeout_s)
+        await set_within(self._woken, timeout_s)
 
     @property
     def woken(self) -> bool:
@@ -375,7 +375,7 @@ class FileWrites:
 
     async def wait(self, timeout_s: float) -> bool:
         """Whether the files were written, waiting for it up to ``timeout_s``."""
-        await _set_within(self._written, timeout_s)
+        await set_within(self._written, timeout_s)
         return self.take()
 
     def close(self) -> None:
@@ -415,7 +415,7 @@ class MemoryFeed(ChangeFeed):
         return None
 
 
-async def _set_within(event: asyncio.Event, timeout_s: float) -> None:
+async def set_within(event: asyncio.Event, timeout_s: float) -> None:
     """Return when ``event`` is set, or after ``timeout_s``."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout_s):

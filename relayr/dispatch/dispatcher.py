@@ -32,7 +32,7 @@ from relayr.core import reasons
 from relayr.core.errors import InvalidAllowlist
 from relayr.core.fairness import FairQueue, Message
 from relayr.core.run_messages import MAX_BATCH_RUNS, RunMessage
-from relayr.dispatch.changes import ChangeFeed, Changes, Workspace, feed_for
+from relayr.dispatch.changes import ChangeFeed, Changes, Workspace, feed_for, set_within
 from relayr.dispatch.evaluation import BATCH_ENVELOPES, evaluate_each
 from relayr.dispatch.shards import InMemoryShardStore, Shards, SqlShardStore
 from relayr.ledger.limits import limit_uses
@@ -563,7 +563,7 @@ class Dispatcher:
                     catching_up = None
             if more and self._one_writer and self._backlogged:
                 pause_s = max(ONE_WRITER_PAUSE_S, self._backlog_took_s)
-                await self._deciding_fresh(asyncio.sleep(pause_s), enqueue, feed, settling)
+                await self._deciding_fresh(set_within(stop, pause_s), enqueue, feed, settling)
             elif more:
                 await asyncio.sleep(0)
 

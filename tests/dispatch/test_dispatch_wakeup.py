@@ -466,3 +466,30 @@ async def test_on_sqlite_a_backlog_pauses_between_its_transactions_for_the_worke
     assert len(spans) >= 2  # a transaction reads LONE_BATCH_ENVELOPES envelopes at most
     gaps = [began - ended for (_, ended), (began, _) in itertools.pairwise(spans)]
     assert min(gaps) >= ONE_WRITER_PAUSE_S, gaps
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_on_sqlite_stopping_ends_a_backlogs_pause(
+    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dispatcher told to stop during the pause between a backlog's transactions stops then,
+    not when the pause would have ended (an hour here)."""
+    stop = asyncio.Event()
+    evaluate_each = dispatcher_module.evaluate_each
+
+    async def stopping(rules: Any, refs: list[WorkspaceRef], **options: Any) -> Any:
+        evaluated = await evaluate_each(rules, refs, **options)
+        if evaluated.behind:
+            stop.set()
+        return evaluated
+
+    monkeypatch.setattr(dispatcher_module, "evaluate_each", stopping)
+    monkeypatch.setattr(dispatcher_module, "ONE_WRITER_PAUSE_S", 3600.0)
+    async with woken(
+        database_url, tmp_path, dispatch_interval_s=3600, dispatch_settle_s=0
+    ) as harness:
+        await publish(harness, "flood", LONE_BATCH_ENVELOPES + 1)
+        serving = asyncio.create_task(harness.dispatcher.serve(Queue().enqueue, stop))
+        await asyncio.wait_for(serving, WAIT_S)
+
+    assert stop.is_set()
