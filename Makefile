@@ -36,9 +36,10 @@ format: $(STAMP)
 # the whole suite, a test module per xdist process: four of them on the 2-core machine, since a
 # worker test spends much of its time waiting on its processes' leases and back-offs, and two
 # left a core idle then (ADR-0123); each test makes its own queue, database, folder and ports,
-# so modules run side by side
+# so modules run side by side; the costliest modules first, in the order the tests' conftest.py
+# sorts them (ADR-0132)
 test: check
-	$(BIN)/pytest -n 4 --dist loadfile --durations=40
+	$(BIN)/pytest -n 4 --dist loadfile --no-loadscope-reorder --durations=40
 
 # the tests write Python's bytecode even where the environment says not to: the suite starts
 # some 500 Python processes (workers, dispatchers, consoles, commands), and each would compile
@@ -49,7 +50,7 @@ test test-fast: export PYTHONDONTWRITEBYTECODE =
 # xdist process: three of them on the 2-core machine, since some of these tests wait for a lease
 # to lapse or a back-off to pass, and two left a core idle then (ADR-0130)
 test-fast: $(STAMP)
-	$(BIN)/pytest -m "not worker and not process and not slow and not postgres and not redis" -n 3 --dist loadfile
+	$(BIN)/pytest -m "not worker and not process and not slow and not postgres and not redis" -n 3 --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.targets

@@ -2,6 +2,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
+from typing import Final
 
 import pytest
 
@@ -53,11 +54,30 @@ SERVICE_FIXTURES = {
 parametrized by ``tests.services.STORAGES`` marks its PostgreSQL case itself)."""
 
 
+COST_BY_MARKER: Final = (("worker", 30), ("process", 10), ("slow", 10))
+"""A test's cost, in units of a test that starts nothing, by its first marker of these (the
+suite's times in one full run: a worker test takes some 20 to 45 s, a process test 2 to 10)."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test that takes a server."""
+    """Mark each test that takes a server, and run the costliest modules first: xdist hands
+    out a module at a time in this order (``--no-loadscope-reorder``), so the last modules
+    handed out are short ones, and no test process runs a long one alone at the end
+    (ADR-0132)."""
     for item in items:
         for name in sorted(set(SERVICE_FIXTURES).intersection(getattr(item, "fixturenames", ()))):
             item.add_marker(SERVICE_FIXTURES[name])
+    cost: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        cost[module] = cost.get(module, 0) + _cost(item)
+    items.sort(
+        key=lambda item: -cost[item.nodeid.split("::")[0]]
+    )  # stable: in a module, as written
+
+
+def _cost(item: pytest.Item) -> int:
+    return next((cost for name, cost in COST_BY_MARKER if any(item.iter_markers(name))), 1)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
