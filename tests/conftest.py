@@ -56,7 +56,7 @@ parametrized by ``tests.services.STORAGES`` marks its PostgreSQL case itself).""
 
 COST_BY_MARKER: Final = (("worker", 30), ("process", 10), ("slow", 10))
 """A test's cost, in units of a test that starts nothing, by its first marker of these (the
-suite's times in one full run: a worker test takes some 20 to 45 s, a process test 2 to 10)."""
+suite's times in one full run: a worker test takes some 5 to 45 s, a process test 2 to 10)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -71,9 +71,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = item.nodeid.split("::")[0]
         cost[module] = cost.get(module, 0) + _cost(item)
-    items.sort(
-        key=lambda item: -cost[item.nodeid.split("::")[0]]
-    )  # stable: in a module, as written
+    # a stable sort: a module's tests stay in the order they are written
+    items.sort(key=lambda item: -cost[item.nodeid.split("::")[0]])
 
 
 def _cost(item: pytest.Item) -> int:
