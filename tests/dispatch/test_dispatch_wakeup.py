@@ -424,7 +424,7 @@ async def test_a_workspace_just_decided_settles_while_another_passes_at_once(
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 async def test_on_sqlite_a_backlog_pauses_between_its_transactions_for_the_workers(
-    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    held: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SQLite lets one process write at a time, and a worker waiting for the lock sleeps up to
     100 ms between tries: ``serve`` leaves ONE_WRITER_PAUSE_S at least between a backlog's
@@ -442,24 +442,21 @@ async def test_on_sqlite_a_backlog_pauses_between_its_transactions_for_the_worke
         return evaluated
 
     monkeypatch.setattr(dispatcher_module, "evaluate_each", timed)
-    async with woken(
-        database_url, tmp_path, dispatch_interval_s=3600, dispatch_settle_s=0
-    ) as harness:
-        await publish(harness, "flood", flood)
-        stop = asyncio.Event()
-        queue = Queue()
+    await publish(held, "flood", flood)
+    stop = asyncio.Event()
+    queue = Queue()
 
-        async def enqueue(batch: RunMessage) -> None:
-            await queue.enqueue(batch)
-            if sum(len(sent.run_ids) for sent in queue.sent) >= flood:
-                stop.set()
-
-        serving = asyncio.create_task(harness.dispatcher.serve(enqueue, stop))
-        try:
-            await asyncio.wait_for(asyncio.shield(serving), WAIT_S)
-        finally:
+    async def enqueue(batch: RunMessage) -> None:
+        await queue.enqueue(batch)
+        if sum(len(sent.run_ids) for sent in queue.sent) >= flood:
             stop.set()
-            await serving
+
+    serving = asyncio.create_task(held.dispatcher.serve(enqueue, stop))
+    try:
+        await asyncio.wait_for(asyncio.shield(serving), WAIT_S)
+    finally:
+        stop.set()
+        await serving
 
     handed = [run_id for sent in queue.sent for run_id in sent.run_ids]
     assert len(handed) == len(set(handed)) == flood
@@ -470,7 +467,7 @@ async def test_on_sqlite_a_backlog_pauses_between_its_transactions_for_the_worke
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 async def test_on_sqlite_stopping_ends_a_backlogs_pause(
-    database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    held: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A dispatcher told to stop during the pause between a backlog's transactions stops then,
     not when the pause would have ended (an hour here)."""
@@ -485,11 +482,8 @@ async def test_on_sqlite_stopping_ends_a_backlogs_pause(
 
     monkeypatch.setattr(dispatcher_module, "evaluate_each", stopping)
     monkeypatch.setattr(dispatcher_module, "ONE_WRITER_PAUSE_S", 3600.0)
-    async with woken(
-        database_url, tmp_path, dispatch_interval_s=3600, dispatch_settle_s=0
-    ) as harness:
-        await publish(harness, "flood", LONE_BATCH_ENVELOPES + 1)
-        serving = asyncio.create_task(harness.dispatcher.serve(Queue().enqueue, stop))
-        await asyncio.wait_for(serving, WAIT_S)
+    await publish(held, "flood", LONE_BATCH_ENVELOPES + 1)
+    serving = asyncio.create_task(held.dispatcher.serve(Queue().enqueue, stop))
+    await asyncio.wait_for(serving, WAIT_S)
 
     assert stop.is_set()
